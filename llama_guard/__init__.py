@@ -1,0 +1,1 @@
+"""llama_guard: httpx transports that make pooled clients safe against llama-server."""
