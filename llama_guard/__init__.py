@@ -1,1 +1,38 @@
-"""llama_guard: httpx transports that make pooled clients safe against llama-server."""
+"""llama_guard: httpx transports that make pooled HTTP clients safe against llama.cpp's llama-server.
+
+    import httpx, llama_guard
+    client = httpx.Client(transport=llama_guard.GuardTransport(), base_url="http://127.0.0.1:8080")
+    # or: client = llama_guard.guard(httpx.Client(base_url="http://127.0.0.1:8080"))
+
+See docs/ for how it works and every setting.
+"""
+
+from ._async_transport import AsyncGuardTransport
+from ._decisions import FailureKind, Progress
+from ._exceptions import FirstByteTimeout, GuardError, ProbeTimeout
+from ._guard import guard
+from ._origins import Origin
+from ._policy import GuardPolicy
+from ._result import GuardResult
+from ._stats import GuardStats, LatencySummary, StatsSnapshot
+from ._sync_transport import GuardTransport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncGuardTransport",
+    "FailureKind",
+    "FirstByteTimeout",
+    "GuardError",
+    "GuardPolicy",
+    "GuardResult",
+    "GuardStats",
+    "GuardTransport",
+    "LatencySummary",
+    "Origin",
+    "ProbeTimeout",
+    "Progress",
+    "StatsSnapshot",
+    "__version__",
+    "guard",
+]

@@ -1,0 +1,100 @@
+"""Errors the guard raises, and the one place where httpx errors are translated into the guard's terms.
+
+Every error the guard raises is an instance of the httpx class it stands for, so existing handlers keep working,
+and of `GuardError`, which carries what the guard tried::
+
+    Exception
+    └── httpx.TransportError ... (httpx's own tree)
+        ├── httpx.ReadTimeout
+        │   └── FirstByteTimeout        no response headers within first_byte_timeout
+        ├── httpx.ConnectTimeout
+        │   └── ProbeTimeout            new connections never answered the probe (GET /health)
+        └── <httpx class X>
+            └── Guarded<X>              X, after the guard's attempts ran out or it may not retry
+    GuardError                          mixin of all of the above: .attempts, .elapsed, .history
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from ._decisions import FailureKind, Progress, ProgressTracker
+
+__all__ = ["FirstByteTimeout", "GuardError", "ProbeTimeout", "failure_kind", "guarded_error"]
+
+
+class GuardError(Exception):
+    """Mixin of every error raised by llama_guard. ``except httpx.<Class>`` still catches them.
+
+    Attributes:
+        attempts: attempts made for the request, the first included.
+        elapsed: seconds from the first attempt to the error.
+        history: one line per failed attempt: what failed and what the guard decided.
+    """
+
+    attempts: int = 1
+    elapsed: float = 0.0
+    history: tuple[str, ...] = ()
+
+
+class FirstByteTimeout(GuardError, httpx.ReadTimeout):
+    """No response headers arrived within ``first_byte_timeout`` after the request was written."""
+
+
+class ProbeTimeout(GuardError, httpx.ConnectTimeout):
+    """A new connection did not answer the probe (``GET /health``) in time: the server is not reading it."""
+
+
+_GUARDED: dict[type[httpx.TransportError], type[httpx.TransportError]] = {}
+
+
+def _guarded_class(base: type[httpx.TransportError]) -> type[httpx.TransportError]:
+    """``Guarded<X>``: a subclass of both X and `GuardError`, made once per httpx class.
+
+    The class is also set as a module attribute so that it pickles and shows a stable name.
+    """
+    if issubclass(base, GuardError):
+        return base
+    cls = _GUARDED.get(base)
+    if cls is None:
+        name = f"Guarded{base.__name__}"
+        cls = type(name, (GuardError, base), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = cls
+        _GUARDED[base] = cls
+    return cls
+
+
+def guarded_error(
+    exc: httpx.TransportError, *, message: str, attempts: int, elapsed: float, history: tuple[str, ...]
+) -> httpx.TransportError:
+    """The error to raise when the guard stops trying: same httpx class, the guard's account in its message."""
+    cls = _guarded_class(type(exc))
+    try:
+        request: httpx.Request | None = exc.request
+    except RuntimeError:  # httpx raises this when the error was created without a request
+        request = None
+    error = cls(message, request=request)
+    assert isinstance(error, GuardError)
+    error.attempts, error.elapsed, error.history = attempts, elapsed, history
+    return error
+
+
+def failure_kind(exc: BaseException, tracker: ProgressTracker, *, deadline_applied: bool) -> FailureKind | None:
+    """The guard's name for why an attempt failed; None for errors that are not the network's (cancellation,
+    the caller's own trace callback raising, ...), which pass through untouched."""
+    if isinstance(exc, ProbeTimeout):
+        return FailureKind.PROBE
+    if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+        return FailureKind.CONNECT
+    if isinstance(exc, httpx.ReadTimeout):
+        waiting_for_headers = tracker.progress == Progress.WRITTEN
+        return (
+            FailureKind.FIRST_BYTE_TIMEOUT if deadline_applied and waiting_for_headers else FailureKind.CALLER_TIMEOUT
+        )
+    if isinstance(exc, (httpx.PoolTimeout, httpx.WriteTimeout)):
+        return FailureKind.CALLER_TIMEOUT
+    if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.ProxyError)):
+        return FailureKind.LOCAL
+    if isinstance(exc, httpx.TransportError):
+        return FailureKind.NETWORK
+    return None

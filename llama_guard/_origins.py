@@ -1,0 +1,88 @@
+"""Origins (scheme, host, port) and the registry that says which of them are llama-server.
+
+Sans-I/O: nothing here knows about httpx; transports hand in the parts of a URL and the response headers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+__all__ = ["Origin", "OriginRegistry", "parse_origin"]
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class Origin(NamedTuple):
+    """Where requests go: the part of a URL that selects a server."""
+
+    scheme: str
+    host: str
+    port: int
+
+    @classmethod
+    def of(cls, scheme: str, host: str, port: int | None) -> Origin:
+        scheme = scheme.lower()
+        return cls(scheme, host.lower().strip("[]"), port if port is not None else _DEFAULT_PORTS.get(scheme, 0))
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+
+def parse_origin(text: object) -> Origin:
+    """``"http://127.0.0.1:8080"`` -> `Origin`; anything that is not a bare http(s) origin raises `ValueError`."""
+    if not isinstance(text, str):
+        raise ValueError(f"an origin is a string such as 'http://127.0.0.1:8080'; got {text!r}")
+    try:
+        parts = urlsplit(text.strip())
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{text!r} is not a valid origin ({exc})") from None
+    if parts.scheme.lower() not in _DEFAULT_PORTS or not parts.hostname:
+        raise ValueError(f"{text!r} is not an origin; expected 'http://host[:port]' or 'https://host[:port]'")
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError(f"{text!r} is not an origin: give only scheme, host and port, e.g. 'http://127.0.0.1:8080'")
+    return Origin.of(parts.scheme, parts.hostname, port)
+
+
+def identifies_as_llama_server(headers: Mapping[str, str]) -> bool:
+    """llama-server names itself in every response: ``Server: llama.cpp``."""
+    return headers.get("server", "").lower().startswith("llama.cpp")
+
+
+class OriginRegistry:
+    """Which origins a transport treats as llama-server, learning them in ``"auto"`` mode.
+
+    Thread-safe: sync transports are shared between threads. Reads take no lock (a set lookup is atomic in
+    CPython and a stale miss only delays protection by one response).
+    """
+
+    def __init__(self, setting: str | tuple[Origin, ...]) -> None:
+        self._all = setting == "all"
+        self._auto = setting == "auto"
+        self._known: set[Origin] = set() if isinstance(setting, str) else set(setting)
+        self._lock = threading.Lock()
+
+    @property
+    def learns(self) -> bool:
+        """True when origins are learnt from responses (``"auto"``)."""
+        return self._auto
+
+    def is_llama(self, origin: Origin) -> bool:
+        return self._all or origin in self._known
+
+    def learn(self, origin: Origin, headers: Mapping[str, str]) -> bool:
+        """Record an origin that identified itself as llama-server; True if this response showed it."""
+        if not identifies_as_llama_server(headers):
+            return False
+        if origin not in self._known:
+            with self._lock:
+                self._known.add(origin)
+        return True
+
+    def known(self) -> frozenset[Origin]:
+        with self._lock:
+            return frozenset(self._known)

@@ -1,0 +1,237 @@
+"""One request's way through the guard: its attempts, the tenacity hooks that decide between them, its result.
+
+Shared by the sync and async transports (it does no I/O); they own the network calls and the sleeping.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import tenacity
+
+from ._decisions import (
+    FailureKind,
+    ProgressTracker,
+    RequestKind,
+    Verdict,
+    classify_request,
+    verdict_for_failure,
+    verdict_for_status,
+)
+from ._exceptions import FirstByteTimeout, failure_kind, guarded_error
+from ._log import describe_request, logger
+from ._policy import GuardPolicy
+from ._result import EXTENSION, GuardResult
+from ._stats import GuardStats
+
+__all__ = ["RequestRun", "replayable_body"]
+
+# A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
+# JSON error, and the response goes to the caller instead.
+MAX_RETRIED_ERROR_BODY = 64 * 1024
+
+
+def replayable_body(request: httpx.Request) -> bytes | None:
+    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
+    try:
+        return request.content
+    except httpx.RequestNotRead:
+        return None
+
+
+class RequestRun:
+    """State of one guarded request across its attempts."""
+
+    def __init__(self, request: httpx.Request, policy: GuardPolicy, stats: GuardStats) -> None:
+        self.request = request
+        self.policy = policy
+        self.stats = stats
+        url = request.url
+        self.kind: RequestKind = classify_request(request.method, url.path, replayable_body(request))
+        self.description = describe_request(request.method, url.scheme, url.host, url.port, url.path)
+        self.close_connection = policy.stream_mode == "close" and self.kind.stream
+        self.user_trace: Callable[..., Any] | None = request.extensions.get("trace")
+        self.user_timeouts: dict[str, float | None] = dict(request.extensions.get("timeout", {}))
+        self.started = time.monotonic()
+        self.attempts = 0
+        self.reconnects = 0
+        self.history: list[str] = []
+        self.verdict: Verdict | None = None
+        self.deadline_applied = False
+        stats.add(requests=1)
+
+    # -- building an attempt -------------------------------------------------------------------------------------
+
+    def attempt_request(self, trace: Callable[..., Any]) -> httpx.Request:
+        """A copy of the caller's request for one attempt: the guard's trace and deadlines, ``Connection: close``
+        for llama streams. The caller's request object is left as it was."""
+        self.attempts += 1
+        self.verdict = None
+        self.stats.add(attempts=1)
+        extensions = dict(self.request.extensions)
+        extensions.pop(EXTENSION, None)
+        extensions["trace"] = trace
+        timeouts = dict(self.user_timeouts)
+        deadline = self.policy.first_byte_timeout
+        caller_read = timeouts.get("read")
+        # The first-byte deadline rides on httpcore's read timeout, which it looks up when it starts reading the
+        # headers, and again when it starts reading the body: restored in headers_arrived(), it never cuts a body.
+        self.deadline_applied = deadline is not None and (caller_read is None or deadline < caller_read)
+        if self.deadline_applied:
+            timeouts["read"] = deadline
+        extensions["timeout"] = timeouts
+        headers = self.request.headers
+        if self.close_connection:
+            headers = headers.copy()
+            headers["Connection"] = "close"
+        return httpx.Request(
+            self.request.method, self.request.url, headers=headers, stream=self.request.stream, extensions=extensions
+        )
+
+    # -- the outcome of an attempt ------------------------------------------------------------------------------
+
+    def attempt_failed(self, exc: BaseException, tracker: ProgressTracker) -> BaseException:
+        """Judge a failed attempt; returns the exception to raise from it (a first-byte expiry becomes
+        `FirstByteTimeout`). Sets ``self.verdict`` for the tenacity hooks."""
+        kind = failure_kind(exc, tracker, deadline_applied=self.deadline_applied)
+        if kind is None:
+            return exc
+        assert isinstance(exc, httpx.TransportError)
+        self.stats.add_error(type(exc).__name__)
+        if kind is FailureKind.FIRST_BYTE_TIMEOUT:
+            exc = self._first_byte_timeout(exc)
+        self.verdict = verdict_for_failure(
+            kind,
+            progress=tracker.effective_progress(),
+            reused_connection=tracker.reused_connection,
+            body_started=tracker.body_started,
+            request=self.kind,
+            retry_non_idempotent=self.policy.retry_non_idempotent,
+        )
+        where = "a reused" if tracker.reused_connection else "a new" if tracker.new_connection else "no"
+        self.history.append(
+            f"attempt {self.attempts}: {type(exc).__name__} on {where} connection "
+            f"({tracker.effective_progress().name.lower()}): {self.verdict.reason}"
+        )
+        if self.verdict.retry and kind in (FailureKind.FIRST_BYTE_TIMEOUT, FailureKind.PROBE):
+            self.reconnects += 1
+        return exc
+
+    def _first_byte_timeout(self, exc: httpx.TransportError) -> FirstByteTimeout:
+        error = FirstByteTimeout(
+            f"no response headers from {self.description} within first_byte_timeout="
+            f"{self.policy.first_byte_timeout:g} s; the connection was discarded",
+            request=self.request,
+        )
+        error.__cause__ = exc
+        return error
+
+    def headers_arrived(self, response: httpx.Response, attempt: httpx.Request) -> None:
+        """Restore the caller's read timeout for the body, and judge a 503/429."""
+        if self.deadline_applied:
+            timeouts = attempt.extensions["timeout"]
+            if "read" in self.user_timeouts:
+                timeouts["read"] = self.user_timeouts["read"]
+            else:
+                del timeouts["read"]
+        verdict = verdict_for_status(
+            response.status_code,
+            response.headers,
+            request=self.kind,
+            retry_non_idempotent=self.policy.retry_non_idempotent,
+            max_retry_after=self.policy.max_retry_after,
+        )
+        if verdict is not None and verdict.retry:
+            length = response.headers.get("content-length", "")
+            if not length.isdigit() or int(length) > MAX_RETRIED_ERROR_BODY:
+                verdict = Verdict(False, f"{response.status_code} with a body that is not a short error")
+        self.verdict = verdict
+        if verdict is not None:
+            self.history.append(f"attempt {self.attempts}: HTTP {response.status_code}: {verdict.reason}")
+
+    @property
+    def retrying_status(self) -> bool:
+        """The response just received is a 503/429 that will be retried (so it must be read and closed)."""
+        return self.verdict is not None and self.verdict.retry
+
+    # -- tenacity hooks -------------------------------------------------------------------------------------------
+
+    def retrying_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for tenacity's `Retrying`/`AsyncRetrying` (the transports add ``sleep``)."""
+        policy = self.policy
+        stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
+        if policy.max_retry_time is not None:
+            stop = stop | tenacity.stop_before_delay(policy.max_retry_time)
+        return {
+            "stop": stop,
+            "wait": self._wait,
+            "retry": self._should_retry,
+            "before_sleep": self._before_sleep,
+            "reraise": True,
+        }
+
+    def _should_retry(self, state: tenacity.RetryCallState) -> bool:
+        return self.verdict is not None and self.verdict.retry
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        verdict = self.verdict
+        if verdict is None or not verdict.backoff:
+            return 0.0
+        if verdict.delay is not None:
+            return verdict.delay
+        # Full jitter: attempts that failed together must not come back together.
+        return tenacity.wait_random_exponential(multiplier=self.policy.backoff, max=self.policy.backoff_max)(state)
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        self.stats.add(retries=1, stall_reconnects=int(self._last_was_stall()))
+        delay = state.upcoming_sleep
+        logger.warning(
+            "llama_guard: retrying %s (attempt %d of %d) in %.2f s after %s",
+            self.description,
+            self.attempts + 1,
+            self.policy.max_attempts,
+            delay,
+            self.history[-1].partition(": ")[2] if self.history else "a failure",
+        )
+
+    def _last_was_stall(self) -> bool:
+        return bool(self.history) and ("FirstByteTimeout" in self.history[-1] or "ProbeTimeout" in self.history[-1])
+
+    # -- the end ---------------------------------------------------------------------------------------------------
+
+    def final_error(self, exc: httpx.TransportError) -> httpx.TransportError:
+        """The error for the caller once the guard stops: the same httpx class, with the guard's account."""
+        elapsed = time.monotonic() - self.started
+        if self.verdict is not None and not self.verdict.retry:
+            why = f"not retried: {self.verdict.reason}"
+        elif self.attempts >= self.policy.max_attempts:
+            why = f"max_attempts={self.policy.max_attempts} reached"
+        else:
+            why = f"max_retry_time={self.policy.max_retry_time:g} s reached"
+        message = str(exc) or type(exc).__name__
+        attempts = "1 attempt" if self.attempts == 1 else f"{self.attempts} attempts"
+        error = guarded_error(
+            exc,
+            message=f"{message} [llama_guard: {self.description}, {attempts} in {elapsed:.2f} s, {why}]",
+            attempts=self.attempts,
+            elapsed=elapsed,
+            history=tuple(self.history),
+        )
+        if self.attempts > 1:
+            logger.warning("llama_guard: giving up on %s after %s: %s", self.description, attempts, why)
+        return error
+
+    def result(self, *, connection_closed: bool) -> GuardResult:
+        first_byte = time.monotonic() - self.started
+        self.stats.record_first_byte(first_byte)
+        return GuardResult(
+            attempts=self.attempts,
+            reconnects=self.reconnects,
+            first_byte_seconds=first_byte,
+            stream=self.kind.stream,
+            connection_closed=connection_closed,
+            history=tuple(self.history),
+        )
