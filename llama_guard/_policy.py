@@ -67,7 +67,7 @@ def _normalise_origins(value: object) -> OriginsSetting:
     return tuple(dict.fromkeys(origins))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class GuardPolicy:
     """How a guarded transport treats llama-server traffic.
 
@@ -137,6 +137,15 @@ class GuardPolicy:
         _check_seconds("backoff_max", self.backoff_max, allow_none=False, allow_zero=True)
         _check_seconds("max_retry_after", self.max_retry_after, allow_none=False, allow_zero=True)
         _check_bool("retry_non_idempotent", self.retry_non_idempotent)
+
+    def __repr__(self) -> str:
+        """Only what differs from the defaults, so a log line shows what was configured."""
+        changed = [
+            f"{field.name}={getattr(self, field.name)!r}"
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != field.default
+        ]
+        return f"GuardPolicy({', '.join(changed)})"
 
     def merged(self, overrides: GuardPolicy | Mapping[str, Any] | None) -> GuardPolicy:
         """This policy with one request's overrides applied (``request.extensions["llama_guard"]``).

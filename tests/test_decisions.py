@@ -1,0 +1,259 @@
+"""The sans-I/O decision core, as tables of cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_guard._decisions import (
+    FailureKind,
+    Progress,
+    ProgressTracker,
+    classify_request,
+    is_inference_path,
+    is_streaming_response,
+    parse_retry_after,
+    verdict_for_failure,
+    verdict_for_status,
+    wants_stream,
+)
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"stream": true}', True),
+        (b'{"messages": [], "stream":true, "n_predict": 3}', True),
+        (b'{"stream": false}', False),
+        (b'{"stream": "true"}', False),  # llama-server streams only for a JSON boolean
+        (b'{"stream": 1}', False),
+        (b'{"\\u0073tream": true}', True),  # an escaped key is still the key
+        (b'{"prompt": "\\"stream\\": true"}', False),  # the words inside a string are not the key
+        (b'{"options": {"stream": true}}', False),  # only the top level counts
+        (b'[{"stream": true}]', False),
+        (b'"stream"', False),
+        (b"stream", False),
+        (b"", False),
+        (b"\xff\xfe not json stream", False),
+        (b'{"stream": true', False),  # truncated JSON: llama-server rejects it, nothing to stream
+        (b"[" * 100_000 + b'"stream"' + b"]" * 100_000, False),  # deep nesting must not crash
+        (b'{"stream": false, "stream": true}', True),  # duplicate keys: the last wins, as in nlohmann::json
+    ],
+)
+def test_wants_stream(body: bytes, expected: bool) -> None:
+    """Stream detection reads the body as llama-server does."""
+    assert wants_stream(body) is expected
+
+
+def test_wants_stream_large_body_without_stream_is_not_parsed() -> None:
+    """A large body with no 'stream' in it is answered by the byte check alone (and correctly)."""
+    body = b'{"prompt": "' + b"x" * 5_000_000 + b'"}'
+    assert wants_stream(body) is False
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("/v1/chat/completions", True),
+        ("/v1/chat/completions/", True),
+        ("/completion", True),
+        ("/completions", True),
+        ("/v1/embeddings", True),
+        ("/tokenize", True),
+        ("/infill", True),
+        ("/llm/v1/chat/completions", True),  # behind a reverse-proxy prefix
+        ("/V1/Chat/Completions", True),
+        ("/slots/0", False),  # ?action=save writes files: a side effect
+        ("/props", False),
+        ("/lora-adapters", False),
+        ("/health", False),
+        ("/v1/chat/completionsx", False),
+        ("/mycompletion", False),
+    ],
+)
+def test_inference_paths(path: str, expected: bool) -> None:
+    """Inference endpoints are recognised by path; state-changing ones are not."""
+    assert is_inference_path(path) is expected
+
+
+@pytest.mark.parametrize(
+    ("headers", "expected"),
+    [
+        ({"transfer-encoding": "chunked"}, True),
+        ({"content-type": "text/event-stream; charset=utf-8"}, True),
+        ({"content-type": "application/json", "content-length": "12"}, False),
+        ({}, False),
+    ],
+)
+def test_streaming_response(headers: dict[str, str], expected: bool) -> None:
+    assert is_streaming_response(headers) is expected
+
+
+def test_classify_request() -> None:
+    """Classification combines method, path and body."""
+    kind = classify_request("post", "/v1/chat/completions", b'{"stream": true}')
+    assert (kind.method, kind.idempotent, kind.inference, kind.stream, kind.replayable) == (
+        "POST",
+        False,
+        True,
+        True,
+        True,
+    )
+    one_shot = classify_request("POST", "/v1/chat/completions", None)
+    assert not one_shot.stream and not one_shot.replayable
+    assert not classify_request("GET", "/health", b'{"stream": true}').stream  # only POST bodies stream
+
+
+def _tracker(*events: str) -> ProgressTracker:
+    tracker = ProgressTracker()
+    for event in events:
+        tracker.observe(event)
+    return tracker
+
+
+NEW_CONN = ("connection.connect_tcp.started", "connection.connect_tcp.complete")
+WRITE = ("http11.send_request_headers.started", "http11.send_request_headers.complete")
+BODY = ("http11.send_request_body.started", "http11.send_request_body.complete")
+
+
+@pytest.mark.parametrize(
+    ("events", "progress", "reused", "new"),
+    [
+        ((), Progress.NOTHING, False, False),
+        (("connection.connect_tcp.started",), Progress.NOTHING, False, True),
+        (NEW_CONN, Progress.CONNECTED, False, True),
+        ((*NEW_CONN, *WRITE), Progress.WRITING, False, True),
+        ((*NEW_CONN, *WRITE, *BODY), Progress.WRITTEN, False, True),
+        ((*WRITE, *BODY), Progress.WRITTEN, True, False),
+        ((*WRITE, *BODY, "http11.receive_response_headers.started"), Progress.WRITTEN, True, False),
+        ((*WRITE, *BODY, "http11.receive_response_headers.complete"), Progress.HEADERS, True, False),
+        (("http2.send_request_headers.started",), Progress.WRITING, True, False),
+    ],
+)
+def test_progress_tracker(events: tuple[str, ...], progress: Progress, reused: bool, new: bool) -> None:
+    """Trace events place an attempt; no connect before the write means a pooled connection."""
+    tracker = _tracker(*events)
+    assert tracker.progress is progress
+    assert tracker.reused_connection is reused
+    assert tracker.new_connection is new
+
+
+def test_progress_without_events_assumes_written() -> None:
+    """A transport that emits no trace events gives no proof that nothing was sent."""
+    assert ProgressTracker().effective_progress() is Progress.WRITTEN
+
+
+CHAT = classify_request("POST", "/v1/chat/completions", b'{"stream": true}')
+HEALTH = classify_request("GET", "/health", b"")
+SAVE = classify_request("POST", "/slots/0", b'{"filename": "a.bin"}')
+ONE_SHOT = classify_request("POST", "/v1/chat/completions", None)
+K = FailureKind
+P = Progress
+
+
+@pytest.mark.parametrize(
+    ("kind", "progress", "reused", "body_started", "request_kind", "non_idem", "retry"),
+    [
+        # nothing sent: always
+        (K.CONNECT, P.NOTHING, False, False, SAVE, False, True),
+        (K.PROBE, P.CONNECTED, False, False, SAVE, False, True),
+        (K.NETWORK, P.CONNECTED, False, False, SAVE, False, True),
+        (K.CONNECT, P.NOTHING, False, False, ONE_SHOT, False, True),
+        # the keep-alive race: reused connection died before the response
+        (K.NETWORK, P.WRITTEN, True, True, CHAT, False, True),
+        (K.NETWORK, P.WRITTEN, True, True, HEALTH, False, True),
+        (K.NETWORK, P.WRITTEN, True, True, SAVE, False, False),
+        (K.NETWORK, P.WRITTEN, True, True, SAVE, True, True),
+        (K.NETWORK, P.WRITING, True, True, ONE_SHOT, True, False),  # a generator body is never sent twice
+        # a new connection failing after the write
+        (K.NETWORK, P.WRITTEN, False, True, CHAT, False, True),
+        (K.NETWORK, P.WRITTEN, False, True, SAVE, False, False),
+        # the first-byte deadline
+        (K.FIRST_BYTE_TIMEOUT, P.WRITTEN, False, True, CHAT, False, True),
+        (K.FIRST_BYTE_TIMEOUT, P.WRITTEN, False, True, SAVE, False, False),
+        # the caller's own limits and local errors: never
+        (K.CALLER_TIMEOUT, P.WRITTEN, False, True, HEALTH, True, False),
+        (K.CALLER_TIMEOUT, P.NOTHING, False, False, HEALTH, True, False),
+        (K.LOCAL, P.NOTHING, False, False, HEALTH, True, False),
+        # after the response began: never
+        (K.NETWORK, P.HEADERS, True, True, HEALTH, True, False),
+    ],
+)
+def test_verdict_for_failure(kind, progress, reused, body_started, request_kind, non_idem, retry) -> None:
+    """Whether a failed attempt is retried depends on how far it got and what the request is."""
+    verdict = verdict_for_failure(
+        kind,
+        progress=progress,
+        reused_connection=reused,
+        body_started=body_started,
+        request=request_kind,
+        retry_non_idempotent=non_idem,
+    )
+    assert verdict.retry is retry, verdict.reason
+    assert verdict.reason
+
+
+def test_dead_pooled_connection_is_retried_at_once() -> None:
+    """The keep-alive race is the connection's fault, not the server's load: no backoff."""
+    verdict = verdict_for_failure(
+        K.NETWORK, progress=P.WRITTEN, reused_connection=True, body_started=True, request=CHAT, retry_non_idempotent=False
+    )
+    assert verdict.retry and not verdict.backoff
+
+
+def test_stalled_connections_back_off() -> None:
+    """Stalled connections reconnect with jittered backoff, so they do not form a new burst."""
+    verdict = verdict_for_failure(
+        K.FIRST_BYTE_TIMEOUT,
+        progress=P.WRITTEN,
+        reused_connection=False,
+        body_started=True,
+        request=CHAT,
+        retry_non_idempotent=False,
+    )
+    assert verdict.retry and verdict.backoff
+
+
+@pytest.mark.parametrize(
+    ("status", "headers", "request_kind", "retry", "delay"),
+    [
+        (200, {}, CHAT, None, None),
+        (500, {}, CHAT, None, None),
+        (503, {}, CHAT, True, None),
+        (503, {"retry-after": "2"}, CHAT, True, 2.0),
+        (503, {"retry-after": "3600"}, CHAT, False, None),  # longer than max_retry_after
+        (503, {}, SAVE, False, None),
+        (429, {}, CHAT, False, None),  # no Retry-After: no retry
+        (429, {"retry-after": "1"}, CHAT, True, 1.0),
+        (429, {"retry-after": "soon"}, CHAT, False, None),
+        (503, {}, ONE_SHOT, False, None),
+    ],
+)
+def test_verdict_for_status(status, headers, request_kind, retry, delay) -> None:
+    """503 (loading) and 429 with Retry-After are retried for requests that may be sent twice."""
+    verdict = verdict_for_status(
+        status, headers, request=request_kind, retry_non_idempotent=False, max_retry_after=30.0
+    )
+    if retry is None:
+        assert verdict is None
+    else:
+        assert verdict is not None
+        assert verdict.retry is retry, verdict.reason
+        if retry:
+            assert verdict.delay == delay
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ("5", 5.0),
+        (" 0 ", 0.0),
+        ("-1", None),
+        ("1.5", None),
+        ("Wed, 21 Oct 2015 07:28:00 GMT", 0.0),  # in the past: now
+        ("Thu, 01 Jan 1970 00:01:40 GMT", 60.0),
+        ("garbage", None),
+    ],
+)
+def test_parse_retry_after(value: str | None, expected: float | None) -> None:
+    assert parse_retry_after(value, now=40.0 if value and "1970" in value else None) == expected

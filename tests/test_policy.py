@@ -1,0 +1,101 @@
+"""GuardPolicy: validated, immutable, keyword-only; per-request overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from llama_guard import GuardPolicy, Origin
+
+
+def test_defaults_are_safe_for_slow_requests() -> None:
+    """By default nothing cuts a healthy slow request: no first-byte deadline; the probe catches stalls."""
+    policy = GuardPolicy()
+    assert policy.first_byte_timeout is None
+    assert policy.probe is True
+    assert policy.origins == "all"
+    assert policy.stream_mode == "close"
+
+
+def test_keyword_only_and_frozen() -> None:
+    with pytest.raises(TypeError):
+        GuardPolicy("all")  # type: ignore[misc]
+    policy = GuardPolicy()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        policy.max_attempts = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("first_byte_timeout", -1, "first_byte_timeout must be a number of seconds > 0"),
+        ("first_byte_timeout", 0, "first_byte_timeout"),
+        ("first_byte_timeout", math.nan, "first_byte_timeout"),
+        ("first_byte_timeout", math.inf, "first_byte_timeout"),
+        ("first_byte_timeout", "5", "first_byte_timeout"),
+        ("first_byte_timeout", True, "first_byte_timeout"),
+        ("max_attempts", 0, "max_attempts must be a whole number from 1 to 100"),
+        ("max_attempts", 2.0, "max_attempts"),
+        ("max_attempts", 101, "max_attempts"),
+        ("stream_mode", "sometimes", "stream_mode must be one of 'close', 'drop', 'off'"),
+        ("origins", "http://x:1", "origins must be 'all'"),
+        ("origins", [], "at least one origin"),
+        ("origins", ["ftp://x"], "origins: 'ftp://x' is not an origin"),
+        ("origins", ["http://x:1/v1"], "give only scheme, host and port"),
+        ("origins", ["http://x:99999"], "not a valid origin"),
+        ("probe", 1, "probe must be True or False"),
+        ("probe_timeout", 0, "probe_timeout"),
+        ("probe_timeout_max", 0.1, "probe_timeout_max must be >= probe_timeout"),
+        ("backoff", -0.1, "backoff must be a number of seconds >= 0"),
+        ("backoff_max", None, "backoff_max"),
+        ("max_retry_time", -5, "max_retry_time"),
+        ("max_retry_after", math.inf, "max_retry_after"),
+        ("retry_non_idempotent", "yes", "retry_non_idempotent"),
+    ],
+)
+def test_bad_values_name_the_field_and_the_range(field: str, value: object, words: str) -> None:
+    """A bad value raises ValueError naming the field and what it accepts."""
+    with pytest.raises(ValueError) as info:
+        GuardPolicy(**{field: value})
+    assert words in str(info.value)
+
+
+def test_origins_are_normalised() -> None:
+    policy = GuardPolicy(origins=["HTTP://LocalHost:8080/", "http://localhost:8080", "https://[::1]"])
+    assert policy.origins == (Origin("http", "localhost", 8080), Origin("https", "::1", 443))
+    assert str(policy.origins[1]) == "https://[::1]:443"
+
+
+def test_repr_is_useful() -> None:
+    text = repr(GuardPolicy(first_byte_timeout=2.0))
+    assert text.startswith("GuardPolicy(") and "first_byte_timeout=2.0" in text
+
+
+def test_merged_overrides() -> None:
+    """A request's overrides produce a new policy; the shared one is unchanged."""
+    base = GuardPolicy()
+    merged = base.merged({"first_byte_timeout": 3.0, "max_attempts": 2})
+    assert merged.first_byte_timeout == 3.0 and merged.max_attempts == 2
+    assert base.first_byte_timeout is None
+    assert base.merged(None) is base
+    assert base.merged({}) is base
+    replacement = GuardPolicy(max_attempts=1, origins=["http://a:1"])
+    assert base.merged(replacement).max_attempts == 1
+    assert base.merged(replacement).origins == "all"  # origins are transport-wide
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"first_byte_timout": 1}, "unknown or transport-wide keys ['first_byte_timout']"),
+        ({"origins": "auto"}, "transport-wide"),
+        ({"first_byte_timeout": -1}, "first_byte_timeout must be"),
+        (5, "must be a dict of GuardPolicy fields"),
+    ],
+)
+def test_bad_overrides(overrides: object, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        GuardPolicy().merged(overrides)  # type: ignore[arg-type]
+    assert words in str(info.value)
