@@ -6,15 +6,20 @@ that the generated file is current. Keep the I/O here and every decision in the 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
+import httpcore
 import httpx
 import tenacity
 
 from ._decisions import ProgressTracker, is_streaming_response
+from ._exceptions import ProbeError, ProbeTimeout
+from ._log import logger
 from ._origins import Origin, OriginRegistry
 from ._policy import GuardPolicy
+from ._probe import ProbeExchange, ProbeProtocolError
 from ._result import EXTENSION
 from ._run import MAX_RETRIED_ERROR_BODY, RequestRun
 from ._sockets import shutdown_connection
@@ -52,6 +57,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
+        # Origins whose server closed the connection after answering a probe: probing them cannot work.
+        self._unprobeable: set[Origin] = set()
         self.stats = GuardStats()
 
     @property
@@ -77,24 +84,35 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         origin = origin_of(request.url)
         if not self._origins.is_llama(origin):
             return await self._pass_through(request, origin)
-        run = RequestRun(request, self._policy.merged(request.extensions.get(EXTENSION)), self.stats)
+        run = RequestRun(request, origin, self._policy.merged(request.extensions.get(EXTENSION)), self.stats)
         retrying = tenacity.AsyncRetrying(sleep=anyio.sleep, **run.retrying_kwargs())
+        response: httpx.Response | None = None
         try:
             async for attempt in retrying:
                 with attempt:
                     response = await self._attempt(run)
-        except tenacity.RetryError as exc:  # attempts ran out on a 503/429: the caller gets that response
-            response = exc.last_attempt.result()
+        except tenacity.RetryError:
+            # Attempts ran out on a 503/429: the caller gets that last response (already read). tenacity's
+            # iteration mode does not keep results, so it is the one the loop assigned last.
+            pass
         except httpx.TransportError as exc:
             raise run.final_error(exc) from exc
+        assert response is not None
         return self._deliver(response, run)
 
     async def _attempt(self, run: RequestRun) -> httpx.Response:
         tracker = ProgressTracker()
         user_trace = run.user_trace
+        probe_event = run.probe_event if run.origin not in self._unprobeable else None
+        direct = True  # False when httpcore connects to a proxy rather than to the origin: nothing to probe then
 
         async def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal direct
             tracker.observe(event)
+            if event == "connection.connect_tcp.started":
+                direct = (info.get("host"), info.get("port")) == (run.request.url.host, run.origin.port)
+            elif event == probe_event and direct:
+                await self._probe(info["return_value"], run)
             if user_trace is not None:
                 await user_trace(event, info)
 
@@ -102,7 +120,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         try:
             response = await self._transport.handle_async_request(attempt)
         except Exception as exc:
-            raise run.attempt_failed(exc, tracker) from exc.__cause__
+            error = run.attempt_failed(exc, tracker)
+            if error is exc:
+                raise
+            raise error from exc
         run.headers_arrived(response, attempt)
         if run.retrying_status:
             # A short error body; read it so the connection goes back to the pool, and so the caller still gets
@@ -113,6 +134,55 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 await response.aclose()
             assert len(response.content) <= MAX_RETRIED_ERROR_BODY
         return response
+
+    async def _probe(self, stream: Any, run: RequestRun) -> None:
+        """Ask a new connection for ``GET /health`` before the real request is written to it.
+
+        Runs inside httpcore's connect, from the ``trace`` extension, with the new network stream. On failure the
+        stream is closed here (httpcore has not stored it yet) and the error fails the connect, so the connection
+        never enters the pool and the request is retried on a fresh one.
+        """
+        ssl_object = stream.get_extra_info("ssl_object")
+        if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
+            return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
+        exchange = ProbeExchange(run.host_header)
+        deadline = run.next_probe_deadline()
+        started = time.monotonic()
+        try:
+            await stream.write(exchange.request_bytes(), timeout=deadline)
+            answer = None
+            while answer is None:
+                remaining = deadline - (time.monotonic() - started)
+                if remaining <= 0:
+                    raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
+                answer = exchange.feed(await stream.read(65536, timeout=remaining))
+        except httpcore.TimeoutException as exc:
+            await stream.aclose()
+            run.probe_failed(time.monotonic() - started)
+            raise ProbeTimeout(
+                f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
+                "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
+                request=run.request,
+            ) from exc
+        except (httpcore.NetworkError, httpcore.ProtocolError, ProbeProtocolError) as exc:
+            await stream.aclose()
+            run.probe_failed(time.monotonic() - started)
+            raise ProbeError(
+                f"the probe of a new connection to {run.origin} failed: {exc}", request=run.request
+            ) from exc
+        except BaseException:
+            await stream.aclose()
+            raise
+        run.probe_answered(time.monotonic() - started)
+        if not answer.keep_alive:
+            await stream.aclose()
+            self._unprobeable.add(run.origin)
+            logger.warning(
+                "llama_guard: %s closes connections after GET /health, so new connections cannot be probed; "
+                "probing disabled for this origin",
+                run.origin,
+            )
+            raise ProbeError(f"{run.origin} closed the connection after the probe", request=run.request)
 
     def _deliver(self, response: httpx.Response, run: RequestRun) -> httpx.Response:
         closing = run.close_connection

@@ -8,7 +8,9 @@ and of `GuardError`, which carries what the guard tried::
         ├── httpx.ReadTimeout
         │   └── FirstByteTimeout        no response headers within first_byte_timeout
         ├── httpx.ConnectTimeout
-        │   └── ProbeTimeout            new connections never answered the probe (GET /health)
+        │   └── ProbeTimeout            a new connection did not answer the probe (GET /health) in time
+        ├── httpx.ConnectError
+        │   └── ProbeError              a new connection answered the probe with an error or not at all
         └── <httpx class X>
             └── Guarded<X>              X, after the guard's attempts ran out or it may not retry
     GuardError                          mixin of all of the above: .attempts, .elapsed, .history
@@ -20,7 +22,7 @@ import httpx
 
 from ._decisions import FailureKind, Progress, ProgressTracker
 
-__all__ = ["FirstByteTimeout", "GuardError", "ProbeTimeout", "failure_kind", "guarded_error"]
+__all__ = ["FirstByteTimeout", "GuardError", "ProbeError", "ProbeTimeout", "failure_kind", "guarded_error"]
 
 
 class GuardError(Exception):
@@ -43,6 +45,10 @@ class FirstByteTimeout(GuardError, httpx.ReadTimeout):
 
 class ProbeTimeout(GuardError, httpx.ConnectTimeout):
     """A new connection did not answer the probe (``GET /health``) in time: the server is not reading it."""
+
+
+class ProbeError(GuardError, httpx.ConnectError):
+    """A new connection failed the probe: closed, reset, or answered with something that is not HTTP."""
 
 
 _GUARDED: dict[type[httpx.TransportError], type[httpx.TransportError]] = {}
@@ -82,7 +88,7 @@ def guarded_error(
 def failure_kind(exc: BaseException, tracker: ProgressTracker, *, deadline_applied: bool) -> FailureKind | None:
     """The guard's name for why an attempt failed; None for errors that are not the network's (cancellation,
     the caller's own trace callback raising, ...), which pass through untouched."""
-    if isinstance(exc, ProbeTimeout):
+    if isinstance(exc, (ProbeTimeout, ProbeError)):
         return FailureKind.PROBE
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return FailureKind.CONNECT

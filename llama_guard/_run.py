@@ -23,7 +23,9 @@ from ._decisions import (
 )
 from ._exceptions import FirstByteTimeout, failure_kind, guarded_error
 from ._log import describe_request, logger
+from ._origins import Origin
 from ._policy import GuardPolicy
+from ._probe import probe_deadline
 from ._result import EXTENSION, GuardResult
 from ._stats import GuardStats
 
@@ -45,11 +47,19 @@ def replayable_body(request: httpx.Request) -> bytes | None:
 class RequestRun:
     """State of one guarded request across its attempts."""
 
-    def __init__(self, request: httpx.Request, policy: GuardPolicy, stats: GuardStats) -> None:
+    def __init__(self, request: httpx.Request, origin: Origin, policy: GuardPolicy, stats: GuardStats) -> None:
         self.request = request
+        self.origin = origin
         self.policy = policy
         self.stats = stats
         url = request.url
+        # The probe goes right after the connection is ready for HTTP: after TLS for https.
+        self.probe_event: str | None = None
+        if policy.probe:
+            tls = url.scheme == "https"
+            self.probe_event = "connection.start_tls.complete" if tls else "connection.connect_tcp.complete"
+        self.host_header = request.headers.get("host") or url.netloc.decode("ascii")
+        self.failed_probes = 0
         self.kind: RequestKind = classify_request(request.method, url.path, replayable_body(request))
         self.description = describe_request(request.method, url.scheme, url.host, url.port, url.path)
         self.close_connection = policy.stream_mode == "close" and self.kind.stream
@@ -91,6 +101,18 @@ class RequestRun:
             self.request.method, self.request.url, headers=headers, stream=self.request.stream, extensions=extensions
         )
 
+    # -- probing new connections ---------------------------------------------------------------------------------
+
+    def next_probe_deadline(self) -> float:
+        return probe_deadline(self.failed_probes, first=self.policy.probe_timeout, cap=self.policy.probe_timeout_max)
+
+    def probe_answered(self, seconds: float) -> None:
+        self.stats.record_probe(seconds, answered=True)
+
+    def probe_failed(self, seconds: float) -> None:
+        self.failed_probes += 1
+        self.stats.record_probe(seconds, answered=False)
+
     # -- the outcome of an attempt ------------------------------------------------------------------------------
 
     def attempt_failed(self, exc: BaseException, tracker: ProgressTracker) -> BaseException:
@@ -121,13 +143,11 @@ class RequestRun:
         return exc
 
     def _first_byte_timeout(self, exc: httpx.TransportError) -> FirstByteTimeout:
-        error = FirstByteTimeout(
+        return FirstByteTimeout(
             f"no response headers from {self.description} within first_byte_timeout="
             f"{self.policy.first_byte_timeout:g} s; the connection was discarded",
             request=self.request,
         )
-        error.__cause__ = exc
-        return error
 
     def headers_arrived(self, response: httpx.Response, attempt: httpx.Request) -> None:
         """Restore the caller's read timeout for the body, and judge a 503/429."""

@@ -193,5 +193,5 @@ class GuardStats:
         return (
             f"<GuardStats requests={snap.requests} attempts={snap.attempts} retries={snap.retries} "
             f"stall_reconnects={snap.stall_reconnects} streams_closed={snap.stream_connections_closed} "
-            f"errors={snap.errors}{latency}>"
+            f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} errors={snap.errors}{latency}>"
         )

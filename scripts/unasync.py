@@ -36,7 +36,7 @@ UNASYNC: tuple[tuple[str, str], ...] = (
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),
     (r"\bhandle_async_request\b", "handle_request"),
     (r"\btenacity\.AsyncRetrying\(sleep=anyio\.sleep\b", "tenacity.Retrying(sleep=time.sleep"),
-    (r"^import anyio$", "import time"),
+    (r"^import anyio\n", ""),
     (r"\basync def\b", "def"),
     (r"\basync for\b", "for"),
     (r"\bawait ", ""),
