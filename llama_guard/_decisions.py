@@ -134,6 +134,25 @@ class Progress(enum.IntEnum):
     HEADERS = 4  # response headers arrived
 
 
+def _steps() -> dict[str, Progress | str]:
+    """httpcore trace event names ("<module>.<step>.<phase>") -> what each says about an attempt."""
+    steps: dict[str, Progress | str] = {
+        "connection.connect_tcp.started": "connect",
+        "connection.connect_unix_socket.started": "connect",
+        "connection.connect_tcp.complete": Progress.CONNECTED,
+        "connection.connect_unix_socket.complete": Progress.CONNECTED,
+    }
+    for module in ("http11", "http2"):
+        steps[f"{module}.send_request_headers.started"] = Progress.WRITING
+        steps[f"{module}.send_request_body.started"] = "body"
+        steps[f"{module}.send_request_body.complete"] = Progress.WRITTEN
+        steps[f"{module}.receive_response_headers.complete"] = Progress.HEADERS
+    return steps
+
+
+_STEPS: Final = _steps()
+
+
 class ProgressTracker:
     """Follows one attempt through httpcore trace event names (``connection.connect_tcp.complete``, ...)."""
 
@@ -152,23 +171,15 @@ class ProgressTracker:
 
     def observe(self, event: str) -> None:
         self.saw_events = True
-        # Event names are "<module>.<step>.<phase>", e.g. "http11.send_request_headers.started".
-        _, _, rest = event.partition(".")
-        step, _, phase = rest.rpartition(".")
-        if step in ("connect_tcp", "connect_unix_socket"):
-            if phase == "started":
-                self.new_connection = True
-            elif phase == "complete":
-                self.progress = max(self.progress, Progress.CONNECTED)
-        elif step == "send_request_headers" and phase == "started":
-            self.progress = max(self.progress, Progress.WRITING)
-        elif step == "send_request_body":
-            if phase == "started":
-                self.body_started = True
-            elif phase == "complete":
-                self.progress = max(self.progress, Progress.WRITTEN)
-        elif step == "receive_response_headers" and phase == "complete":
-            self.progress = Progress.HEADERS
+        step = _STEPS.get(event)
+        if step is None:
+            return
+        if step == "connect":
+            self.new_connection = True
+        elif step == "body":
+            self.body_started = True
+        else:
+            self.progress = max(self.progress, step)
 
     def effective_progress(self) -> Progress:
         """Progress for retry decisions: with no trace events (a transport that does not emit them) nothing is

@@ -5,6 +5,7 @@ Shared by the sync and async transports (it does no I/O); they own the network c
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -52,36 +53,51 @@ class RequestRun:
         self.origin = origin
         self.policy = policy
         self.stats = stats
-        url = request.url
+        self.kind: RequestKind = classify_request(request.method, request.url.path, replayable_body(request))
+        self.close_connection = policy.stream_mode == "close" and self.kind.stream
         # The probe goes right after the connection is ready for HTTP: after TLS for https.
         self.probe_event: str | None = None
         if policy.probe:
-            tls = url.scheme == "https"
+            tls = request.url.scheme == "https"
             self.probe_event = "connection.start_tls.complete" if tls else "connection.connect_tcp.complete"
-        self.host_header = request.headers.get("host") or url.netloc.decode("ascii")
-        self.failed_probes = 0
-        self.kind: RequestKind = classify_request(request.method, url.path, replayable_body(request))
-        self.description = describe_request(request.method, url.scheme, url.host, url.port, url.path)
-        self.close_connection = policy.stream_mode == "close" and self.kind.stream
+        self.user_extensions = request.extensions
         self.user_trace: Callable[..., Any] | None = request.extensions.get("trace")
-        self.user_timeouts: dict[str, float | None] = dict(request.extensions.get("timeout", {}))
+        self.user_timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
+        self.attempt_timeouts: dict[str, float | None] = {}
         self.started = time.monotonic()
         self.attempts = 0
         self.reconnects = 0
+        self.failed_probes = 0
         self.history: list[str] = []
         self.verdict: Verdict | None = None
         self.deadline_applied = False
         stats.add(requests=1)
 
+    @functools.cached_property
+    def description(self) -> str:
+        url = self.request.url
+        return describe_request(self.request.method, url.scheme, url.host, url.port, url.path)
+
+    @functools.cached_property
+    def host_header(self) -> str:
+        return self.request.headers.get("host") or self.request.url.netloc.decode("ascii")
+
+    @property
+    def may_retry(self) -> bool:
+        """The last attempt failed, or answered 503/429, in a way the rules allow to retry."""
+        return self.verdict is not None and self.verdict.retry
+
     # -- building an attempt -------------------------------------------------------------------------------------
 
-    def attempt_request(self, trace: Callable[..., Any]) -> httpx.Request:
-        """A copy of the caller's request for one attempt: the guard's trace and deadlines, ``Connection: close``
-        for llama streams. The caller's request object is left as it was."""
+    def begin_attempt(self, trace: Callable[..., Any]) -> httpx.Request:
+        """The request to send for one attempt: the guard's trace and deadline in its extensions, and
+        ``Connection: close`` for llama streams. The caller's request object lends its extensions attribute to
+        the attempt (copying the whole request would cost more than the rest of the guard); `end_attempt()`
+        gives the caller's back."""
         self.attempts += 1
         self.verdict = None
         self.stats.add(attempts=1)
-        extensions = dict(self.request.extensions)
+        extensions = dict(self.user_extensions)
         extensions.pop(EXTENSION, None)
         extensions["trace"] = trace
         timeouts = dict(self.user_timeouts)
@@ -92,14 +108,22 @@ class RequestRun:
         self.deadline_applied = deadline is not None and (caller_read is None or deadline < caller_read)
         if self.deadline_applied:
             timeouts["read"] = deadline
-        extensions["timeout"] = timeouts
-        headers = self.request.headers
+        extensions["timeout"] = self.attempt_timeouts = timeouts
         if self.close_connection:
-            headers = headers.copy()
+            headers = self.request.headers.copy()
             headers["Connection"] = "close"
-        return httpx.Request(
-            self.request.method, self.request.url, headers=headers, stream=self.request.stream, extensions=extensions
-        )
+            return httpx.Request(
+                self.request.method,
+                self.request.url,
+                headers=headers,
+                stream=self.request.stream,
+                extensions=extensions,
+            )
+        self.request.extensions = extensions
+        return self.request
+
+    def end_attempt(self) -> None:
+        self.request.extensions = self.user_extensions
 
     # -- probing new connections ---------------------------------------------------------------------------------
 
@@ -149,10 +173,10 @@ class RequestRun:
             request=self.request,
         )
 
-    def headers_arrived(self, response: httpx.Response, attempt: httpx.Request) -> None:
+    def headers_arrived(self, response: httpx.Response) -> None:
         """Restore the caller's read timeout for the body, and judge a 503/429."""
         if self.deadline_applied:
-            timeouts = attempt.extensions["timeout"]
+            timeouts = self.attempt_timeouts
             if "read" in self.user_timeouts:
                 timeouts["read"] = self.user_timeouts["read"]
             else:
@@ -172,11 +196,6 @@ class RequestRun:
         if verdict is not None:
             self.history.append(f"attempt {self.attempts}: HTTP {response.status_code}: {verdict.reason}")
 
-    @property
-    def retrying_status(self) -> bool:
-        """The response just received is a 503/429 that will be retried (so it must be read and closed)."""
-        return self.verdict is not None and self.verdict.retry
-
     # -- tenacity hooks -------------------------------------------------------------------------------------------
 
     def retrying_kwargs(self) -> dict[str, Any]:
@@ -184,7 +203,9 @@ class RequestRun:
         policy = self.policy
         stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
         if policy.max_retry_time is not None:
-            stop = stop | tenacity.stop_before_delay(policy.max_retry_time)
+            # tenacity's clock starts now, after the first attempt: count that attempt's time too.
+            spent = time.monotonic() - self.started
+            stop = stop | tenacity.stop_before_delay(max(policy.max_retry_time - spent, 0.0))
         return {
             "stop": stop,
             "wait": self._wait,

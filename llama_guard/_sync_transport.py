@@ -85,12 +85,35 @@ class GuardTransport(httpx.BaseTransport):
         if not self._origins.is_llama(origin):
             return self._pass_through(request, origin)
         run = RequestRun(request, origin, self._policy.merged(request.extensions.get(EXTENSION)), self.stats)
+        # The first attempt runs bare: most requests succeed at once and should not pay for the retry machinery.
+        try:
+            response = self._attempt(run)
+        except Exception as exc:
+            if not run.may_retry:
+                if isinstance(exc, httpx.TransportError):
+                    raise run.final_error(exc) from exc
+                raise
+            response = self._retry(run, exc)
+        else:
+            if run.may_retry:
+                response = self._retry(run, response)
+        return self._deliver(response, run)
+
+    def _retry(self, run: RequestRun, first: httpx.Response | Exception) -> httpx.Response:
+        """Attempts after the first, paced and bounded by tenacity.
+
+        tenacity's attempt 1 replays the outcome of the first attempt (no I/O), so its attempt numbers, backoff,
+        stop conditions and hooks see the whole history.
+        """
         retrying = tenacity.Retrying(sleep=time.sleep, **run.retrying_kwargs())
-        response: httpx.Response | None = None
+        response = first if isinstance(first, httpx.Response) else None
         try:
             for attempt in retrying:
                 with attempt:
-                    response = self._attempt(run)
+                    if attempt.retry_state.attempt_number > 1:
+                        response = self._attempt(run)
+                    elif isinstance(first, Exception):
+                        raise first
         except tenacity.RetryError:
             # Attempts ran out on a 503/429: the caller gets that last response (already read). tenacity's
             # iteration mode does not keep results, so it is the one the loop assigned last.
@@ -98,7 +121,7 @@ class GuardTransport(httpx.BaseTransport):
         except httpx.TransportError as exc:
             raise run.final_error(exc) from exc
         assert response is not None
-        return self._deliver(response, run)
+        return response
 
     def _attempt(self, run: RequestRun) -> httpx.Response:
         tracker = ProgressTracker()
@@ -116,16 +139,17 @@ class GuardTransport(httpx.BaseTransport):
             if user_trace is not None:
                 user_trace(event, info)
 
-        attempt = run.attempt_request(trace)
         try:
-            response = self._transport.handle_request(attempt)
+            response = self._transport.handle_request(run.begin_attempt(trace))
         except Exception as exc:
             error = run.attempt_failed(exc, tracker)
             if error is exc:
                 raise
             raise error from exc
-        run.headers_arrived(response, attempt)
-        if run.retrying_status:
+        finally:
+            run.end_attempt()
+        run.headers_arrived(response)
+        if run.may_retry:
             # A short error body; read it so the connection goes back to the pool, and so the caller still gets
             # it whole if this turns out to be the last attempt.
             try:
