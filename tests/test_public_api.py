@@ -1,0 +1,59 @@
+"""The public face: a curated, tested list of names; everything else lives in private modules."""
+
+from __future__ import annotations
+
+import httpx
+
+import llama_guard
+
+
+def test_exported_members() -> None:
+    """`llama_guard.__all__` is the contract; adding or removing a name is a deliberate change."""
+    assert sorted(llama_guard.__all__) == sorted(
+        [
+            "AsyncGuardTransport",
+            "FailureKind",
+            "FirstByteTimeout",
+            "GuardError",
+            "GuardPolicy",
+            "GuardResult",
+            "GuardStats",
+            "GuardTransport",
+            "LatencySummary",
+            "Origin",
+            "ProbeError",
+            "ProbeTimeout",
+            "Progress",
+            "StatsSnapshot",
+            "__version__",
+            "guard",
+        ]
+    )
+    for name in llama_guard.__all__:
+        assert hasattr(llama_guard, name), name
+
+
+def test_public_classes_present_the_public_module() -> None:
+    """Public classes show as llama_guard.X in reprs and docs, not as private module paths."""
+    for name in llama_guard.__all__:
+        value = getattr(llama_guard, name)
+        if isinstance(value, type):
+            assert value.__module__ == "llama_guard", name
+
+
+def test_errors_are_httpx_errors() -> None:
+    """Handlers written for httpx keep working."""
+    assert issubclass(llama_guard.FirstByteTimeout, httpx.ReadTimeout)
+    assert issubclass(llama_guard.ProbeTimeout, httpx.ConnectTimeout)
+    assert issubclass(llama_guard.ProbeError, httpx.ConnectError)
+    for cls in (llama_guard.FirstByteTimeout, llama_guard.ProbeTimeout, llama_guard.ProbeError):
+        assert issubclass(cls, llama_guard.GuardError)
+
+
+def test_transports_are_httpx_transports() -> None:
+    sync, asynchronous = llama_guard.GuardTransport(), llama_guard.AsyncGuardTransport()
+    try:
+        assert isinstance(sync, httpx.BaseTransport)
+        assert isinstance(asynchronous, httpx.AsyncBaseTransport)
+    finally:
+        sync.close()

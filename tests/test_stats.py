@@ -1,0 +1,78 @@
+"""Stats: thread-safe counters and a fixed-memory latency histogram whose maximum is exact."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from llama_guard import GuardStats
+from llama_guard._stats import LatencyHistogram
+
+
+def test_histogram_percentiles_within_two_percent() -> None:
+    rng = random.Random(7)
+    samples = [rng.lognormvariate(-4, 1.5) for _ in range(20_000)]
+    histogram = LatencyHistogram()
+    for sample in samples:
+        histogram.record(sample)
+    ordered = sorted(samples)
+    for percent in (50, 90, 99, 99.9):
+        exact = ordered[int(len(ordered) * percent / 100) - 1]
+        assert histogram.percentile(percent) == pytest.approx(exact, rel=0.025), percent
+    assert histogram.summary().max == max(samples)  # exact, not bucketed
+    assert histogram.summary().count == len(samples)
+
+
+def test_histogram_edges() -> None:
+    histogram = LatencyHistogram()
+    assert histogram.percentile(99) == 0.0
+    histogram.record(0.0)
+    histogram.record(-1.0)  # clock oddities count as zero
+    histogram.record(10 * 86_400.0)  # beyond the last bucket: kept, max exact
+    assert histogram.summary().max == 10 * 86_400.0
+    with pytest.raises(ValueError, match="percent must be from 0 to 100"):
+        histogram.percentile(101)
+
+
+def test_histogram_memory_is_fixed() -> None:
+    histogram = LatencyHistogram()
+    size = len(histogram._buckets)
+    for index in range(100_000):
+        histogram.record(index * 1e-4)
+    assert len(histogram._buckets) == size
+
+
+def test_counters_are_thread_safe() -> None:
+    stats = GuardStats()
+
+    def work() -> None:
+        for _ in range(5_000):
+            stats.add(attempts=1, retries=1)
+            stats.add_error("ReadError")
+            stats.record_first_byte(0.001)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    snap = stats.snapshot()
+    assert snap.attempts == snap.retries == 40_000
+    assert snap.errors == {"ReadError": 40_000}
+    assert snap.first_byte is not None and snap.first_byte.count == 40_000
+    stats.reset()
+    assert stats.snapshot().attempts == 0
+
+
+def test_snapshot_as_dict_is_plain_data() -> None:
+    import json
+
+    stats = GuardStats()
+    stats.record_probe(0.002, answered=True)
+    stats.record_probe(0.5, answered=False)
+    data = stats.snapshot().as_dict()
+    json.dumps(data)
+    assert data["probes_sent"] == 2 and data["probes_failed"] == 1
+    assert data["probe_latency"]["count"] == 1
