@@ -9,7 +9,7 @@ See docs/ for how it works and every setting.
 
 from ._async_transport import AsyncGuardTransport
 from ._decisions import FailureKind, Progress
-from ._exceptions import FirstByteTimeout, GuardError, ProbeTimeout
+from ._exceptions import FirstByteTimeout, GuardError, ProbeError, ProbeTimeout
 from ._guard import guard
 from ._origins import Origin
 from ._policy import GuardPolicy
@@ -30,9 +30,17 @@ __all__ = [
     "GuardTransport",
     "LatencySummary",
     "Origin",
+    "ProbeError",
     "ProbeTimeout",
     "Progress",
     "StatsSnapshot",
     "__version__",
     "guard",
 ]
+
+# Public classes present themselves as llama_guard.X (in reprs, tracebacks and docs), as httpx's do.
+for _name in __all__:
+    _value = globals()[_name]
+    if isinstance(_value, type):
+        _value.__module__ = "llama_guard"
+del _name, _value

@@ -19,6 +19,7 @@ from ._exceptions import ProbeError, ProbeTimeout
 from ._log import logger
 from ._origins import Origin, OriginRegistry
 from ._policy import GuardPolicy
+from ._pool_fix import fix_pool_race
 from ._probe import ProbeExchange, ProbeProtocolError
 from ._result import EXTENSION
 from ._run import MAX_RETRIED_ERROR_BODY, RequestRun
@@ -55,6 +56,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 f"got {type(transport).__name__}"
             )
         self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
+        # httpcore 1.x can close a connection that another request is using (see _pool_fix): not on our watch.
+        fix_pool_race(self._transport)
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
         # Origins whose server closed the connection after answering a probe: probing them cannot work.

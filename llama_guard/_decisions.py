@@ -174,12 +174,12 @@ class ProgressTracker:
         step = _STEPS.get(event)
         if step is None:
             return
-        if step == "connect":
-            self.new_connection = True
-        elif step == "body":
-            self.body_started = True
-        else:
+        if isinstance(step, Progress):
             self.progress = max(self.progress, step)
+        elif step == "connect":
+            self.new_connection = True
+        else:
+            self.body_started = True
 
     def effective_progress(self) -> Progress:
         """Progress for retry decisions: with no trace events (a transport that does not emit them) nothing is

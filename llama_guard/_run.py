@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -37,6 +37,42 @@ __all__ = ["RequestRun", "replayable_body"]
 MAX_RETRIED_ERROR_BODY = 64 * 1024
 
 
+class ReplayableBody(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """An in-memory request body, sent afresh by every attempt.
+
+    An iterator object rather than httpx's async generator: when a write fails half way (a dead pooled
+    connection), httpcore abandons the body's iterator, and an abandoned async generator makes trio's finalizer
+    warn (a ResourceWarning) long after the request was retried and answered.
+    """
+
+    __slots__ = ("_content",)
+
+    def __init__(self, content: bytes) -> None:
+        self._content = content
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter((self._content,))
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return _OneChunk(self._content)
+
+
+class _OneChunk:
+    __slots__ = ("_content",)
+
+    def __init__(self, content: bytes | None) -> None:
+        self._content = content
+
+    def __aiter__(self) -> _OneChunk:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._content is None:
+            raise StopAsyncIteration
+        content, self._content = self._content, None
+        return content
+
+
 def replayable_body(request: httpx.Request) -> bytes | None:
     """The request body when it is held in memory (and so can be inspected and sent again), else None."""
     try:
@@ -53,7 +89,8 @@ class RequestRun:
         self.origin = origin
         self.policy = policy
         self.stats = stats
-        self.kind: RequestKind = classify_request(request.method, request.url.path, replayable_body(request))
+        self.body = replayable_body(request)
+        self.kind: RequestKind = classify_request(request.method, request.url.path, self.body)
         self.close_connection = policy.stream_mode == "close" and self.kind.stream
         # The probe goes right after the connection is ready for HTTP: after TLS for https.
         self.probe_event: str | None = None
@@ -61,6 +98,7 @@ class RequestRun:
             tls = request.url.scheme == "https"
             self.probe_event = "connection.start_tls.complete" if tls else "connection.connect_tcp.complete"
         self.user_extensions = request.extensions
+        self.user_stream = request.stream
         self.user_trace: Callable[..., Any] | None = request.extensions.get("trace")
         self.user_timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
         self.attempt_timeouts: dict[str, float | None] = {}
@@ -109,21 +147,20 @@ class RequestRun:
         if self.deadline_applied:
             timeouts["read"] = deadline
         extensions["timeout"] = self.attempt_timeouts = timeouts
+        stream = self.user_stream if self.body is None else ReplayableBody(self.body)
         if self.close_connection:
             headers = self.request.headers.copy()
             headers["Connection"] = "close"
             return httpx.Request(
-                self.request.method,
-                self.request.url,
-                headers=headers,
-                stream=self.request.stream,
-                extensions=extensions,
+                self.request.method, self.request.url, headers=headers, stream=stream, extensions=extensions
             )
         self.request.extensions = extensions
+        self.request.stream = stream
         return self.request
 
     def end_attempt(self) -> None:
         self.request.extensions = self.user_extensions
+        self.request.stream = self.user_stream
 
     # -- probing new connections ---------------------------------------------------------------------------------
 

@@ -163,7 +163,7 @@ def test_constructor_validates_with_field_and_range(field: str, value: object, n
 
 def test_constructor_is_keyword_only() -> None:
     with pytest.raises(TypeError):
-        LlamaServerEmulator("127.0.0.1")  # type: ignore[misc]
+        LlamaServerEmulator("127.0.0.1")  # type: ignore[call-arg]
 
 
 def test_lifecycle_url_and_idempotent_stop() -> None:
@@ -339,7 +339,8 @@ def test_pool_bug_leaves_burst_connections_unread() -> None:
             assert len(answered) < 32
             stats = server.stats()
             assert stats.connections_queued_unread == 32 - len(answered)
-            assert stats.oldest_queued_wait >= 2.0
+            # (measured from accept, which may lag the client's connect a little)
+            assert stats.oldest_queued_wait >= 1.5
             assert stats.requests_to("/health") == len(answered)
 
             # A stuck connection is served as soon as another one closes.
@@ -350,11 +351,11 @@ def test_pool_bug_leaves_burst_connections_unread() -> None:
             for sock in socks:
                 sock.close()
     stats = server.stats()
-    assert stats.max_unread_wait >= 2.0
-    assert stats.connections_waited_unread(threshold=2.0) >= 1
+    assert stats.max_unread_wait >= 1.5
+    assert stats.connections_waited_unread(threshold=1.5) >= 1
     # Closing the clients freed the threads, which then drained the queue.
     waits = stats.connection_waits
-    assert any(w.unread_bytes == len(HEALTH) and w.waited >= 2.0 for w in waits)
+    assert any(w.unread_bytes == len(HEALTH) and w.waited >= 1.5 for w in waits)
     no_errors(stats)
 
 

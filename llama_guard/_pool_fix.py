@@ -1,0 +1,86 @@
+"""A fix for a thread race in httpcore 1.x's connection pool, applied to the pools the guard wraps.
+
+httpcore 1.0's pool assigns an idle connection to a request under its lock, but the connection stays IDLE until
+the request's own thread sends on it. A pass of the pool made by another thread in between may judge the same
+connection expired, surplus or replaceable, and close it outside the lock, while the first request is already
+using it: that request fails (``[Errno 9] Bad file descriptor``, sometimes while reading its body, where nothing
+can retry it). Under the proxy-like load of this project's tests, plain httpx lost 30 of 2,000 requests that way
+besides those lost to llama-server. httpcore2 fixed it by treating connections that a queued or in-flight request
+holds as reserved; this module backports that rule.
+
+The fix replaces ``_assign_requests_to_connections`` on one pool instance (never on the class, never globally),
+and only for an httpcore 1.x HTTP/1.1 pool that looks exactly as expected; anything else is left alone.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+__all__ = ["fix_pool_race"]
+
+
+def _assign_requests_to_connections(self: Any) -> list[Any]:
+    """httpcore 1.0.9's method, except that connections held by a request are neither closed nor reassigned."""
+    closing: list[Any] = []
+    reserved = {request.connection for request in self._requests if request.connection is not None}
+    kept: list[Any] = []
+    for connection in self._connections:
+        if connection.is_closed():
+            continue
+        if connection not in reserved and connection.has_expired():
+            closing.append(connection)
+            continue
+        kept.append(connection)
+    # Surplus idle connections beyond max_keepalive_connections (httpcore 1.0.9 counted every connection here).
+    surplus = sum(c.is_idle() and c not in reserved for c in kept) - self._max_keepalive_connections
+    if surplus > 0:
+        retained = []
+        for connection in kept:
+            if surplus > 0 and connection.is_idle() and connection not in reserved:
+                closing.append(connection)
+                surplus -= 1
+            else:
+                retained.append(connection)
+        kept = retained
+    self._connections = kept
+
+    for pool_request in [request for request in self._requests if request.is_queued()]:
+        origin = pool_request.request.url.origin
+        available = [
+            c for c in self._connections if c not in reserved and c.can_handle_request(origin) and c.is_available()
+        ]
+        if available:
+            connection = available[0]
+        elif len(self._connections) < self._max_connections:
+            connection = self.create_connection(origin)
+            self._connections.append(connection)
+        else:
+            idle = [c for c in self._connections if c not in reserved and c.is_idle()]
+            if not idle:
+                continue
+            self._connections.remove(idle[0])
+            closing.append(idle[0])
+            connection = self.create_connection(origin)
+            self._connections.append(connection)
+        pool_request.assign_to_connection(connection)
+        reserved.add(connection)
+    return closing
+
+
+def fix_pool_race(transport: Any) -> bool:
+    """Apply the fix to an httpx transport's httpcore 1.x HTTP/1.1 pool; True if it was applied."""
+    pool = getattr(transport, "_pool", None)
+    if pool is None:
+        return False
+    package = type(pool).__module__.partition(".")[0]  # httpcore presents its classes as "httpcore.X"
+    if package != "httpcore" or type(pool).__name__ not in _POOL_CLASSES:
+        return False  # httpcore2 has the fix; anything else is not ours to change
+    if getattr(pool, "_http2", True) or not all(hasattr(pool, name) for name in _POOL_ATTRIBUTES):
+        return False  # HTTP/2 multiplexes idle connections; this rule is for HTTP/1.1 only
+    pool._assign_requests_to_connections = types.MethodType(_assign_requests_to_connections, pool)
+    return True
+
+
+_POOL_CLASSES = ("ConnectionPool", "AsyncConnectionPool")
+_POOL_ATTRIBUTES = ("_requests", "_connections", "_max_connections", "_max_keepalive_connections")

@@ -1,0 +1,38 @@
+"""Test helpers: a faithful, controllable llama-server emulator.
+
+:class:`LlamaServerEmulator` reproduces, on a real loopback socket, the HTTP
+behaviour of llama.cpp's ``llama-server`` (build b11434, cpp-httplib) that
+``llama_guard`` protects clients against:
+
+1. the streaming keep-alive lie -- ``Keep-Alive: timeout=5, max=100`` announced,
+   connection closed right after the final chunk;
+2. cpp-httplib's thread-pool idle-counter bug -- in a burst of keep-alive
+   connections, the last ones wait unread until another connection closes;
+
+plus a one-shot fault injector (:class:`Fault`) for resets, stalls, garbage,
+truncated chunks, huge headers, 503/429, and server-side counters
+(:class:`EmulatorStats`) that show what the server really received and ran.
+
+Example::
+
+    with LlamaServerEmulator(http_threads=4) as server:
+        server.inject(Fault.RESET_MID_STREAM, path="/v1/chat/completions")
+        ...  # point a client at server.url
+        assert server.stats().completions_started == 1
+"""
+
+from ._config import EmulatorConfig
+from ._emulator import LlamaServerEmulator
+from ._faults import Fault, FaultRule
+from ._responses import generated_text
+from ._stats import ConnectionWait, EmulatorStats
+
+__all__ = [
+    "ConnectionWait",
+    "EmulatorConfig",
+    "EmulatorStats",
+    "Fault",
+    "FaultRule",
+    "LlamaServerEmulator",
+    "generated_text",
+]

@@ -1,0 +1,227 @@
+"""Server-side counters, so tests can prove what the server really did.
+
+A client-side retry layer can only be judged from the server's point of view:
+how many requests arrived, how many inference runs started and finished, which
+connections waited in the pool with their request unread.  All counters are
+updated under one lock and read as an immutable :class:`EmulatorStats`
+snapshot; every update notifies a condition so tests can wait for a state with
+a deadline instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ._faults import Fault
+
+__all__ = ["ConnectionWait", "EmulatorStats", "StatsRecorder"]
+
+
+@dataclass(frozen=True)
+class ConnectionWait:
+    """How long one accepted connection waited for a pool thread.
+
+    ``unread_bytes`` is the size of the kernel's receive queue (``FIONREAD``)
+    when a thread finally picked the connection up -- or when ``stop()``
+    abandoned it (``served=False``).  Non-zero means the client's request sat
+    unread for (at most) ``waited`` seconds.
+    """
+
+    connection_id: int
+    waited: float
+    unread_bytes: int
+    served: bool
+
+
+@dataclass(frozen=True)
+class EmulatorStats:
+    """Immutable snapshot of the emulator's counters.
+
+    The ``connections_queued*`` and ``oldest_queued_wait`` fields are live:
+    computed when the snapshot is taken from the connections still waiting for
+    a pool thread.  ``errors`` lists unexpected exceptions inside the emulator
+    itself (bugs, not injected faults); tests should expect it to be empty.
+    """
+
+    requests: Mapping[tuple[str, str], int]
+    responses: Mapping[int, int]
+    completions_started: int
+    completions_finished: int
+    completions_cancelled: int
+    connections_accepted: int
+    connections_closed: int
+    connections_active: int
+    connections_queued: int
+    connections_queued_unread: int
+    oldest_queued_wait: float
+    connection_waits: tuple[ConnectionWait, ...]
+    streams_closed_after_done: int
+    faults_triggered: Mapping[Fault, int]
+    pool_threads: int
+    pool_dynamic_spawned: int
+    pool_peak_threads: int
+    slots_busy: int
+    slots_waiting: int
+    errors: tuple[str, ...] = ()
+
+    @property
+    def total_requests(self) -> int:
+        return sum(self.requests.values())
+
+    def requests_to(self, path: str, method: str | None = None) -> int:
+        """Requests received for ``path`` (any method unless given)."""
+        return sum(n for (m, p), n in self.requests.items() if p == path and method in (None, m))
+
+    @property
+    def unread_waits(self) -> tuple[float, ...]:
+        """Queue waits of connections whose request bytes sat unread."""
+        return tuple(w.waited for w in self.connection_waits if w.unread_bytes > 0)
+
+    @property
+    def max_unread_wait(self) -> float:
+        return max(self.unread_waits, default=0.0)
+
+    @property
+    def max_queue_wait(self) -> float:
+        return max((w.waited for w in self.connection_waits), default=0.0)
+
+    def connections_waited_unread(self, threshold: float = 0.5) -> int:
+        """Connections whose request waited unread for at least ``threshold`` s.
+
+        A short wait is normal (the pool thread's wake-up latency); the
+        idle-counter bug shows up as waits of seconds.
+        """
+        return sum(1 for waited in self.unread_waits if waited >= threshold)
+
+
+@dataclass
+class _Counters:
+    requests: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    responses: collections.Counter[int] = field(default_factory=collections.Counter)
+    faults: collections.Counter[Fault] = field(default_factory=collections.Counter)
+    completions_started: int = 0
+    completions_finished: int = 0
+    completions_cancelled: int = 0
+    connections_accepted: int = 0
+    connections_closed: int = 0
+    connections_active: int = 0
+    streams_closed_after_done: int = 0
+    waits: list[ConnectionWait] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LiveView:
+    """Values the emulator computes at snapshot time (not stored counters)."""
+
+    queued: int = 0
+    queued_unread: int = 0
+    oldest_queued_wait: float = 0.0
+    pool_threads: int = 0
+    pool_dynamic_spawned: int = 0
+    pool_peak_threads: int = 0
+    slots_busy: int = 0
+    slots_waiting: int = 0
+
+
+class StatsRecorder:
+    """The mutable side: thread-safe increments plus change notification."""
+
+    def __init__(self) -> None:
+        self.changed = threading.Condition()
+        self._c = _Counters()
+
+    def _bump(self, name: str, delta: int = 1) -> None:
+        with self.changed:
+            setattr(self._c, name, getattr(self._c, name) + delta)
+            self.changed.notify_all()
+
+    def request(self, method: str, path: str) -> None:
+        with self.changed:
+            self._c.requests[(method, path)] += 1
+            self.changed.notify_all()
+
+    def response(self, status: int) -> None:
+        with self.changed:
+            self._c.responses[status] += 1
+            self.changed.notify_all()
+
+    def fault(self, fault: Fault) -> None:
+        with self.changed:
+            self._c.faults[fault] += 1
+            self.changed.notify_all()
+
+    def wait(self, record: ConnectionWait) -> None:
+        with self.changed:
+            self._c.waits.append(record)
+            self.changed.notify_all()
+
+    def error(self, description: str) -> None:
+        """An unexpected exception inside the emulator (a bug, not a fault)."""
+        with self.changed:
+            self._c.errors.append(description)
+            self.changed.notify_all()
+
+    def completion_started(self) -> None:
+        self._bump("completions_started")
+
+    def completion_finished(self) -> None:
+        self._bump("completions_finished")
+
+    def completion_cancelled(self) -> None:
+        self._bump("completions_cancelled")
+
+    def connection_accepted(self) -> None:
+        self._bump("connections_accepted")
+
+    def connection_closed(self) -> None:
+        self._bump("connections_closed")
+
+    def connection_active(self, delta: int) -> None:
+        self._bump("connections_active", delta)
+
+    def stream_closed_after_done(self) -> None:
+        self._bump("streams_closed_after_done")
+
+    def reset(self) -> None:
+        """Zero every counter except ``connections_active`` (a live gauge)."""
+        with self.changed:
+            active = self._c.connections_active
+            self._c = _Counters(connections_active=active)
+            self.changed.notify_all()
+
+    def snapshot_and_reset(self, live: LiveView) -> EmulatorStats:
+        """Atomically take a snapshot and zero the counters."""
+        with self.changed:
+            before = self.snapshot(live)
+            self.reset()
+            return before
+
+    def snapshot(self, live: LiveView) -> EmulatorStats:
+        with self.changed:
+            c = self._c
+            return EmulatorStats(
+                requests=dict(c.requests),
+                responses=dict(c.responses),
+                completions_started=c.completions_started,
+                completions_finished=c.completions_finished,
+                completions_cancelled=c.completions_cancelled,
+                connections_accepted=c.connections_accepted,
+                connections_closed=c.connections_closed,
+                connections_active=c.connections_active,
+                connections_queued=live.queued,
+                connections_queued_unread=live.queued_unread,
+                oldest_queued_wait=live.oldest_queued_wait,
+                connection_waits=tuple(c.waits),
+                streams_closed_after_done=c.streams_closed_after_done,
+                faults_triggered=dict(c.faults),
+                pool_threads=live.pool_threads,
+                pool_dynamic_spawned=live.pool_dynamic_spawned,
+                pool_peak_threads=live.pool_peak_threads,
+                slots_busy=live.slots_busy,
+                slots_waiting=live.slots_waiting,
+                errors=tuple(c.errors),
+            )
