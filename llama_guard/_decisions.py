@@ -206,6 +206,9 @@ class Verdict:
     reason: str
     backoff: bool = True
     delay: float | None = None  # an explicit delay (Retry-After) that replaces the backoff
+    # A stalled connection (probe or first-byte deadline): the reconnects of connections that stalled together must
+    # be spread over a wide random window, or they reach the server as a new burst and stall again.
+    stall: bool = False
 
 
 def verdict_for_failure(
@@ -227,6 +230,8 @@ def verdict_for_failure(
     if kind in (FailureKind.CONNECT, FailureKind.PROBE) or progress <= Progress.CONNECTED:
         if body_started and not request.replayable:
             return Verdict(False, "the request body was a one-shot stream and has been consumed")
+        if kind is FailureKind.PROBE:
+            return Verdict(True, "the new connection was not read by the server (nothing real was sent)", stall=True)
         return Verdict(True, "nothing was sent yet")
     if not request.replayable:
         return Verdict(False, "the request body was a one-shot stream and cannot be sent twice")
@@ -237,8 +242,7 @@ def verdict_for_failure(
             "(set retry_non_idempotent=True to retry it anyway)",
         )
     if kind is FailureKind.FIRST_BYTE_TIMEOUT:
-        # Backed off with jitter: connections that stalled together must not all reconnect in one new burst.
-        return Verdict(True, "no response headers within first_byte_timeout (stalled connection)")
+        return Verdict(True, "no response headers within first_byte_timeout (stalled connection)", stall=True)
     if reused_connection:
         # The keep-alive race: the pool handed out a connection the server had already closed.
         return Verdict(True, "the pooled connection was dead", backoff=False)

@@ -199,7 +199,7 @@ class RequestRun:
             f"attempt {self.attempts}: {type(exc).__name__} on {where} connection "
             f"({tracker.effective_progress().name.lower()}): {self.verdict.reason}"
         )
-        if self.verdict.retry and kind in (FailureKind.FIRST_BYTE_TIMEOUT, FailureKind.PROBE):
+        if self.verdict.retry and self.verdict.stall:
             self.reconnects += 1
         return exc
 
@@ -260,8 +260,12 @@ class RequestRun:
             return 0.0
         if verdict.delay is not None:
             return verdict.delay
-        # Full jitter: attempts that failed together must not come back together.
-        return tenacity.wait_random_exponential(multiplier=self.policy.backoff, max=self.policy.backoff_max)(state)
+        # Full jitter: attempts that failed together must not come back together. Stalled connections come back
+        # over a window as wide as the probe deadline (measured on b11434: reconnects spread over less than that
+        # reach the server as a new burst and stall again), doubling with each further stall.
+        policy = self.policy
+        multiplier = max(policy.backoff, policy.probe_timeout) if verdict.stall else policy.backoff
+        return tenacity.wait_random_exponential(multiplier=multiplier, max=policy.backoff_max)(state)
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         self.stats.add(retries=1, stall_reconnects=int(self._last_was_stall()))
@@ -276,7 +280,7 @@ class RequestRun:
         )
 
     def _last_was_stall(self) -> bool:
-        return bool(self.history) and ("FirstByteTimeout" in self.history[-1] or "ProbeTimeout" in self.history[-1])
+        return self.verdict is not None and self.verdict.stall
 
     # -- the end ---------------------------------------------------------------------------------------------------
 

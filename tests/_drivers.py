@@ -7,6 +7,7 @@ part of the network is mocked: drivers talk to the emulator on 127.0.0.1.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import anyio
 import httpx
 
 import llama_guard
+from llama_guard.testing import async_burst_transport, burst_transport
 
 FLAVORS = ("sync", "asyncio", "trio")
 
@@ -103,15 +105,22 @@ def make_driver(
     policy: llama_guard.GuardPolicy | None = None,
     limits: httpx.Limits | None = None,
     timeout: float = 10.0,
+    preopened: list[socket.socket] | None = None,
 ) -> Driver:
+    """A client of one flavour; with ``preopened`` sockets, its first new connections are those (a burst)."""
     limits = limits or httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=4.0)
     client: httpx.Client | httpx.AsyncClient
+    inner: Any
     if flavor == "sync":
-        inner: Any = httpx.HTTPTransport(limits=limits)
+        inner = httpx.HTTPTransport(limits=limits) if preopened is None else burst_transport(preopened, limits=limits)
         transport = llama_guard.GuardTransport(inner, policy=policy) if guarded else inner
         client = httpx.Client(transport=transport, base_url=base_url, timeout=timeout)
     else:
-        inner = httpx.AsyncHTTPTransport(limits=limits)
+        inner = (
+            httpx.AsyncHTTPTransport(limits=limits)
+            if preopened is None
+            else async_burst_transport(preopened, limits=limits)
+        )
         transport = llama_guard.AsyncGuardTransport(inner, policy=policy) if guarded else inner
         client = httpx.AsyncClient(transport=transport, base_url=base_url, timeout=timeout)
     return Driver(flavor, guarded, client)

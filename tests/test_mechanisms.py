@@ -14,7 +14,7 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy
-from llama_guard.testing import Fault, LlamaServerEmulator
+from llama_guard.testing import Fault, LlamaServerEmulator, open_burst
 
 from ._drivers import FLAVORS, close_driver, gather, make_driver, run_scenario
 
@@ -76,20 +76,18 @@ def test_retries_alone_recover_the_lost_requests(flavor: str, racy_server: Llama
     assert stats.completions_finished == 40
 
 
-async def burst(flavor: str, url: str, guarded: bool, policy: GuardPolicy | None, clients: int) -> list[object]:
-    """`clients` clients released together, each with its own one-connection pool, each asking twice."""
+async def burst(flavor: str, url: str, port: int, guarded: bool, clients: int) -> list[object]:
+    """The trigger, as measured on the real server: ``clients`` keep-alive connections opened back to back
+    before any request, one handed to each client (its pool's only connection); then every client asks twice."""
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    drivers = [make_driver(flavor, guarded=guarded, base_url=url, policy=policy, limits=limits, timeout=3.0)]
-    drivers += [
-        make_driver(flavor, guarded=guarded, base_url=url, policy=policy, limits=limits, timeout=3.0)
-        for _ in range(clients - 1)
+    sockets = open_burst("127.0.0.1", port, clients)
+    drivers = [
+        make_driver(flavor, guarded=guarded, base_url=url, limits=limits, timeout=3.0, preopened=[sock])
+        for sock in sockets
     ]
-    release = threading.Barrier(clients) if flavor == "sync" else None
 
     def job(driver: object) -> object:
         async def run() -> None:
-            if release is not None:
-                release.wait(timeout=10)
             for _ in range(2):
                 await driver.request("POST", CHAT, json=chat(stream=False))  # type: ignore[attr-defined]
 
@@ -105,11 +103,11 @@ async def burst(flavor: str, url: str, guarded: bool, policy: GuardPolicy | None
 
 def test_burst_stalls_plain_clients_and_not_guarded_ones(flavor: str) -> None:
     """The pool bug: plain clients' first requests sit unread; the probe replaces those connections."""
-    with LlamaServerEmulator(http_threads=4, wakeup_latency=0.05) as server:
-        plain = run_scenario(flavor, burst, flavor, server.url, False, None, 16)
+    with LlamaServerEmulator(http_threads=4) as server:
+        plain = run_scenario(flavor, burst, flavor, server.url, server.port, False, 16)
         plain_stuck = sum(len(d.errors) for d in plain)  # type: ignore[attr-defined]
-    with LlamaServerEmulator(http_threads=4, wakeup_latency=0.05) as server:
-        guarded = run_scenario(flavor, burst, flavor, server.url, True, None, 16)
+    with LlamaServerEmulator(http_threads=4) as server:
+        guarded = run_scenario(flavor, burst, flavor, server.url, server.port, True, 16)
         ran = server.stats().completions_started
     assert plain_stuck >= 1, "the emulated pool bug should leave plain clients unanswered"
     outcomes = [o for d in guarded for o in d.outcomes]  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ Example::
         assert server.stats().completions_started == 1
 """
 
+from ._burst import AsyncPreopenedBackend, PreopenedBackend, async_burst_transport, burst_transport, open_burst
 from ._config import EmulatorConfig
 from ._emulator import LlamaServerEmulator
 from ._faults import Fault, FaultRule
@@ -28,6 +29,11 @@ from ._responses import generated_text
 from ._stats import ConnectionWait, EmulatorStats
 
 __all__ = [
+    "AsyncPreopenedBackend",
+    "PreopenedBackend",
+    "async_burst_transport",
+    "burst_transport",
+    "open_burst",
     "ConnectionWait",
     "EmulatorConfig",
     "EmulatorStats",

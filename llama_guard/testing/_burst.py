@@ -1,0 +1,238 @@
+"""Reproduce the burst that triggers cpp-httplib's pool bug, deterministically, with any httpx client.
+
+What triggers the bug, measured against llama-server b11434: the connections must be accepted in one burst
+before their first requests arrive (a pool re-opening all its connections at once). Clients that connect as their
+requests start rarely do; so `open_burst()` opens the connections back to back first, and
+`preopened_backend()` hands one of them to each client as its "new connection" through httpcore's network
+backend interface. Everything after that, probes included, is the client's real code on a real socket.
+
+    sockets = open_burst("127.0.0.1", port, 32)
+    clients = [httpx.Client(transport=burst_transport([s])) for s in sockets]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import anyio
+import httpcore
+import httpx
+
+__all__ = ["AsyncPreopenedBackend", "PreopenedBackend", "async_burst_transport", "burst_transport", "open_burst"]
+
+
+def open_burst(host: str, port: int, count: int, *, timeout: float = 5.0) -> list[socket.socket]:
+    """Open ``count`` TCP connections at once (every connect started before any completes), before any of them
+    sends a byte: the burst in which llama-server's accept loop queues them faster than its pool threads wake.
+
+    Blocking connects one after another are slower, and on an idle machine rarely trigger the bug."""
+    if not 1 <= count <= 4096:
+        raise ValueError(f"count must be from 1 to 4096; got {count!r}")
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.connect_ex((host, port))
+        pending = list(sockets)
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(pending)} of {count} connections to {host}:{port} did not complete")
+            _, writable, _ = select.select([], pending, [], remaining)
+            for sock in writable:
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise ConnectionError(error, f"connect to {host}:{port} failed: {os.strerror(error)}")
+                pending.remove(sock)
+        for sock in sockets:
+            sock.setblocking(True)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+class _Handout:
+    """Pre-opened sockets, each handed out once; thread-safe."""
+
+    def __init__(self, sockets: Iterable[socket.socket]) -> None:
+        self._sockets = list(sockets)
+        self._lock = threading.Lock()
+
+    def take(self) -> socket.socket | None:
+        with self._lock:
+            return self._sockets.pop(0) if self._sockets else None
+
+    def close_unused(self) -> None:
+        while (sock := self.take()) is not None:
+            sock.close()
+
+
+class _SyncSocketStream(httpcore.NetworkStream):
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        self._sock.settimeout(timeout)
+        try:
+            return self._sock.recv(max_bytes)
+        except TimeoutError as exc:
+            raise httpcore.ReadTimeout(str(exc)) from exc
+        except OSError as exc:
+            raise httpcore.ReadError(str(exc)) from exc
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.sendall(buffer)
+        except TimeoutError as exc:
+            raise httpcore.WriteTimeout(str(exc)) from exc
+        except OSError as exc:
+            raise httpcore.WriteError(str(exc)) from exc
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def get_extra_info(self, info: str) -> Any:
+        return _extra_info(self._sock, info)
+
+
+class _AsyncSocketStream(httpcore.AsyncNetworkStream):
+    """A non-blocking socket driven by anyio, so it works under asyncio and trio alike."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        try:
+            with anyio.fail_after(timeout):
+                while True:
+                    try:
+                        return self._sock.recv(max_bytes)
+                    except BlockingIOError:
+                        await anyio.wait_readable(self._sock)
+        except TimeoutError as exc:
+            raise httpcore.ReadTimeout("timed out") from exc
+        except OSError as exc:
+            raise httpcore.ReadError(str(exc)) from exc
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        view = memoryview(buffer)
+        try:
+            with anyio.fail_after(timeout):
+                while view:
+                    try:
+                        view = view[self._sock.send(view) :]
+                    except BlockingIOError:
+                        await anyio.wait_writable(self._sock)
+        except TimeoutError as exc:
+            raise httpcore.WriteTimeout("timed out") from exc
+        except OSError as exc:
+            raise httpcore.WriteError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(OSError):
+            anyio.notify_closing(self._sock)
+        self._sock.close()
+
+    def get_extra_info(self, info: str) -> Any:
+        return _extra_info(self._sock, info)
+
+
+def _extra_info(sock: socket.socket, info: str) -> Any:
+    if info == "socket":
+        return sock
+    if info == "is_readable":
+        if sock.fileno() < 0:
+            return True
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable)
+    if info == "client_addr":
+        return sock.getsockname()
+    if info == "server_addr":
+        return sock.getpeername()
+    return None
+
+
+class PreopenedBackend(httpcore.NetworkBackend):
+    """Hands out pre-opened sockets as new connections, then connects for real."""
+
+    def __init__(self, sockets: Iterable[socket.socket]) -> None:
+        self._handout = _Handout(sockets)
+        self._fallback = httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        sock = self._handout.take()
+        if sock is None:
+            return self._fallback.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _SyncSocketStream(sock)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def close_unused(self) -> None:
+        self._handout.close_unused()
+
+
+class AsyncPreopenedBackend(httpcore.AsyncNetworkBackend):
+    """The async twin of `PreopenedBackend` (asyncio and trio)."""
+
+    def __init__(self, sockets: Iterable[socket.socket]) -> None:
+        self._handout = _Handout(sockets)
+        self._fallback = httpcore.AnyIOBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        sock = self._handout.take()
+        if sock is None:
+            return await self._fallback.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _AsyncSocketStream(sock)
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+    def close_unused(self) -> None:
+        self._handout.close_unused()
+
+
+def burst_transport(sockets: Iterable[socket.socket], *, limits: httpx.Limits | None = None) -> httpx.HTTPTransport:
+    """An `httpx.HTTPTransport` whose first new connections are the given pre-opened sockets."""
+    transport = httpx.HTTPTransport(limits=limits or httpx.Limits())
+    # httpx takes no network backend argument; its pool does. Test tooling, so the private attribute is fine.
+    transport._pool._network_backend = PreopenedBackend(sockets)
+    return transport
+
+
+def async_burst_transport(
+    sockets: Iterable[socket.socket], *, limits: httpx.Limits | None = None
+) -> httpx.AsyncHTTPTransport:
+    """An `httpx.AsyncHTTPTransport` whose first new connections are the given pre-opened sockets."""
+    transport = httpx.AsyncHTTPTransport(limits=limits or httpx.Limits())
+    transport._pool._network_backend = AsyncPreopenedBackend(sockets)
+    return transport
