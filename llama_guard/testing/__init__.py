@@ -25,10 +25,18 @@ from ._burst import AsyncPreopenedBackend, PreopenedBackend, async_burst_transpo
 from ._config import EmulatorConfig
 from ._emulator import LlamaServerEmulator
 from ._faults import Fault, FaultRule
+from ._real_server import LLAMA_SERVER_BUILD, RealLlamaServer, RealServerError, find_llama_server, free_port
 from ._responses import generated_text
 from ._stats import ConnectionWait, EmulatorStats
+from ._tiny_model import write_tiny_model
 
 __all__ = [
+    "LLAMA_SERVER_BUILD",
+    "RealLlamaServer",
+    "RealServerError",
+    "find_llama_server",
+    "free_port",
+    "write_tiny_model",
     "AsyncPreopenedBackend",
     "PreopenedBackend",
     "async_burst_transport",
