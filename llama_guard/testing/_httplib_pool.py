@@ -236,6 +236,10 @@ class HttplibThreadPool:
         """
         deadline = time.monotonic() + self._dynamic_idle_timeout
         while True:
+            if self._has_work():
+                # The predicate already holds: C++'s cond_.wait(lock, pred) returns at once, with no sleep and so
+                # no wake-up latency (a worker going back to a non-empty queue takes the next job immediately).
+                return True
             if is_dynamic:
                 remaining = deadline - time.monotonic()
                 if not self._cond.wait_for(self._has_work, timeout=max(0.0, remaining)):

@@ -1,0 +1,7 @@
+"""python -m llama_guard: the llama-guard command."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())
