@@ -25,7 +25,7 @@ import httpx
 from ._sync_transport import GuardTransport
 from .testing import LlamaServerEmulator, burst_transport, open_burst
 
-__all__ = ["DemoRow", "run_demo"]
+__all__ = ["DemoRow", "demo_rows", "format_table", "run_demo"]
 
 CHAT = "/v1/chat/completions"
 THINK_TIME = 0.1
@@ -162,8 +162,8 @@ def format_table(rows: list[DemoRow]) -> str:
     return "\n".join(rendered)
 
 
-def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 5.0, out: TextIO = sys.stdout) -> int:
-    """Run both scenarios with plain httpx and the guard; print the table; 0 when the guard lost nothing."""
+def demo_rows(*, requests: int = 600, clients: int = 32, seconds: float = 5.0) -> list[DemoRow]:
+    """Run both scenarios with plain httpx and the guard, reporting progress on stderr."""
     steps = [
         ("proxy-like load, plain httpx", lambda: _proxy_load(False, requests)),
         ("proxy-like load, guard", lambda: _proxy_load(True, requests)),
@@ -171,14 +171,20 @@ def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 5.0, ou
         ("burst, guard", lambda: _burst(True, clients, seconds)),
     ]
     rows = []
-    started = time.monotonic()
     for number, (title, step) in enumerate(steps, 1):
         print(f"[{number}/{len(steps)}] {title} ...", file=sys.stderr, flush=True)
         rows.append(step())
+    return rows
+
+
+def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 5.0, out: TextIO | None = None) -> int:
+    """Print the demo's table (to ``out``, default stdout); 0 when the guard lost nothing."""
+    out = out if out is not None else sys.stdout
+    started = time.monotonic()
+    rows = demo_rows(requests=requests, clients=clients, seconds=seconds)
     print(file=out)
     print(format_table(rows), file=out)
-    guard_rows = [row for row in rows if row.client == "guard"]
-    lost = sum(row.errors + row.stuck for row in guard_rows)
+    lost = sum(row.errors + row.stuck for row in rows if row.client == "guard")
     print(
         f"\nStuck: connections whose first request was never answered during the {seconds:g} s burst run.\n"
         f"The guard lost {lost} requests or connections ({time.monotonic() - started:.0f} s on the built-in "
