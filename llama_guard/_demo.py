@@ -67,8 +67,8 @@ def _body(index: int, stream: bool) -> dict[str, object]:
 def _one(client: httpx.Client, index: int, stream: bool, row: DemoRow, timeout: float | None = None) -> bool:
     started = time.monotonic()
     try:
-        extra = {} if timeout is None else {"timeout": timeout}
-        with client.stream("POST", CHAT, json=_body(index, stream), **extra) as response:
+        request_timeout: float | httpx.Timeout = client.timeout if timeout is None else timeout
+        with client.stream("POST", CHAT, json=_body(index, stream), timeout=request_timeout) as response:
             first_byte = time.monotonic() - started
             response.read()
         row.record(first_byte if response.status_code == 200 else None)
@@ -164,13 +164,13 @@ def format_table(rows: list[DemoRow]) -> str:
 
 def demo_rows(*, requests: int = 600, clients: int = 32, seconds: float = 5.0) -> list[DemoRow]:
     """Run both scenarios with plain httpx and the guard, reporting progress on stderr."""
-    steps = [
+    steps: list[tuple[str, Callable[[], DemoRow]]] = [
         ("proxy-like load, plain httpx", lambda: _proxy_load(False, requests)),
         ("proxy-like load, guard", lambda: _proxy_load(True, requests)),
         ("burst, plain httpx", lambda: _burst(False, clients, seconds)),
         ("burst, guard", lambda: _burst(True, clients, seconds)),
     ]
-    rows = []
+    rows: list[DemoRow] = []
     for number, (title, step) in enumerate(steps, 1):
         print(f"[{number}/{len(steps)}] {title} ...", file=sys.stderr, flush=True)
         rows.append(step())
