@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -24,33 +24,19 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     ``_transport`` and ``_mounts`` (stable across httpx 0.2x).
     """
     if isinstance(client, httpx.AsyncClient):
-        client._transport = _wrap_async(client._transport, policy)
-        client._mounts = {
-            pattern: None if transport is None else _wrap_async(transport, policy)
-            for pattern, transport in client._mounts.items()
-        }
-        return client
-    if isinstance(client, httpx.Client):
-        client._transport = _wrap_sync(client._transport, policy)
-        client._mounts = {
-            pattern: None if transport is None else _wrap_sync(transport, policy)
-            for pattern, transport in client._mounts.items()
-        }
-        return client
-    raise TypeError(f"guard() takes an httpx.Client or httpx.AsyncClient; got {type(client).__name__}")
+        guard_class: type[Any] = AsyncGuardTransport
+    elif isinstance(client, httpx.Client):
+        guard_class = GuardTransport
+    else:
+        raise TypeError(f"guard() takes an httpx.Client or httpx.AsyncClient; got {type(client).__name__}")
 
+    def wrap(transport: Any) -> Any:
+        if isinstance(transport, guard_class):
+            if policy is None or policy == transport.policy:
+                return transport
+            transport = transport.transport
+        return guard_class(transport, policy=policy)
 
-def _wrap_sync(transport: httpx.BaseTransport, policy: GuardPolicy | None) -> httpx.BaseTransport:
-    if isinstance(transport, GuardTransport):
-        if policy is None or policy == transport.policy:
-            return transport
-        transport = transport.transport
-    return GuardTransport(transport, policy=policy)
-
-
-def _wrap_async(transport: httpx.AsyncBaseTransport, policy: GuardPolicy | None) -> httpx.AsyncBaseTransport:
-    if isinstance(transport, AsyncGuardTransport):
-        if policy is None or policy == transport.policy:
-            return transport
-        transport = transport.transport
-    return AsyncGuardTransport(transport, policy=policy)
+    client._transport = wrap(client._transport)
+    client._mounts = {pattern: None if t is None else wrap(t) for pattern, t in client._mounts.items()}
+    return client
