@@ -8,9 +8,9 @@ See docs/ for how it works and every setting.
 """
 
 from ._async_transport import AsyncGuardTransport
-from ._decisions import FailureKind, Progress
-from ._exceptions import FirstByteTimeout, GuardError, ProbeError, ProbeTimeout
+from ._exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._guard import guard
+from ._guard_error import GuardError
 from ._origins import Origin
 from ._policy import GuardPolicy
 from ._result import GuardResult
@@ -21,7 +21,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncGuardTransport",
-    "FailureKind",
     "FirstByteTimeout",
     "GuardError",
     "GuardPolicy",
@@ -32,7 +31,6 @@ __all__ = [
     "Origin",
     "ProbeError",
     "ProbeTimeout",
-    "Progress",
     "StatsSnapshot",
     "__version__",
     "guard",

@@ -203,13 +203,20 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         run.probe_answered(time.monotonic() - started)
         if not answer.keep_alive:
             await stream.aclose()
-            self._unprobeable.add(run.origin)
-            logger.warning(
-                "llama_guard: %s closes connections after GET /health, so new connections cannot be probed; "
-                "probing disabled for this origin",
-                run.origin,
+            if 200 <= answer.status < 300:
+                # A healthy server that closes after /health: probing it can never leave a usable connection.
+                self._unprobeable.add(run.origin)
+                logger.warning(
+                    "%s closes connections after GET /health, so new connections cannot be probed; "
+                    "probing disabled for this origin",
+                    run.origin,
+                )
+            # Otherwise (llama-server answers 503 with Connection: close while it loads a model) only this
+            # connection is lost; the next attempt probes a new one.
+            raise ProbeError(
+                f"{run.origin} answered GET /health with {answer.status} and closed the connection",
+                request=run.request,
             )
-            raise ProbeError(f"{run.origin} closed the connection after the probe", request=run.request)
 
     def _deliver(self, response: httpx.Response, run: RequestRun) -> httpx.Response:
         closing = run.close_connection

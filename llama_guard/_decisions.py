@@ -209,6 +209,7 @@ class Verdict:
     # A stalled connection (probe or first-byte deadline): the reconnects of connections that stalled together must
     # be spread over a wide random window, or they reach the server as a new burst and stall again.
     stall: bool = False
+    status: bool = False  # a retried 503/429 response (rather than a failed connection)
 
 
 def verdict_for_failure(
@@ -231,7 +232,7 @@ def verdict_for_failure(
         if body_started and not request.replayable:
             return Verdict(False, "the request body was a one-shot stream and has been consumed")
         if kind is FailureKind.PROBE:
-            return Verdict(True, "the new connection was not read by the server (nothing real was sent)", stall=True)
+            return Verdict(True, "the new connection failed its probe (nothing real was sent)", stall=True)
         return Verdict(True, "nothing was sent yet")
     if not request.replayable:
         return Verdict(False, "the request body was a one-shot stream and cannot be sent twice")
@@ -284,4 +285,4 @@ def verdict_for_status(
     if retry_after is not None and retry_after > max_retry_after:
         return Verdict(False, f"Retry-After {retry_after:g} s is longer than max_retry_after {max_retry_after:g} s")
     reason = "server loading or overloaded (503)" if status == 503 else "rate limited (429)"
-    return Verdict(True, reason, delay=retry_after)
+    return Verdict(True, reason, delay=retry_after, status=True)

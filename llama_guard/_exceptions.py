@@ -21,22 +21,9 @@ from __future__ import annotations
 import httpx
 
 from ._decisions import FailureKind, Progress, ProgressTracker
+from ._guard_error import GuardError
 
 __all__ = ["FirstByteTimeout", "GuardError", "ProbeError", "ProbeTimeout", "failure_kind", "guarded_error"]
-
-
-class GuardError(Exception):
-    """Mixin of every error raised by llama_guard. ``except httpx.<Class>`` still catches them.
-
-    Attributes:
-        attempts: attempts made for the request, the first included.
-        elapsed: seconds from the first attempt to the error.
-        history: one line per failed attempt: what failed and what the guard decided.
-    """
-
-    attempts: int = 1
-    elapsed: float = 0.0
-    history: tuple[str, ...] = ()
 
 
 class FirstByteTimeout(GuardError, httpx.ReadTimeout):

@@ -1,4 +1,4 @@
-"""`guard(client)`: protect an httpx client that already exists, keeping every other setting it has."""
+"""`guard(client)`: protect an httpx or httpx2 client that already exists, keeping every other setting it has."""
 
 from __future__ import annotations
 
@@ -12,23 +12,19 @@ from ._sync_transport import GuardTransport
 
 __all__ = ["guard"]
 
-ClientT = TypeVar("ClientT", httpx.Client, httpx.AsyncClient)
+ClientT = TypeVar("ClientT")
 
 
 def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     """Wrap ``client``'s transport and every mounted transport in the guard, in place; returns ``client``.
 
-    Base URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports
-    are wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy``
-    is given. httpx offers no public way to replace a client's transports, so this sets the client's
-    ``_transport`` and ``_mounts`` (stable across httpx 0.2x).
+    Takes an `httpx.Client` or `httpx.AsyncClient`, or their httpx2 twins (with ``llama-guard[httpx2]``). Base
+    URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports are
+    wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
+    given. httpx offers no public way to replace a client's transports, so this sets the client's ``_transport``
+    and ``_mounts`` (stable across httpx 0.2x and httpx2).
     """
-    if isinstance(client, httpx.AsyncClient):
-        guard_class: type[Any] = AsyncGuardTransport
-    elif isinstance(client, httpx.Client):
-        guard_class = GuardTransport
-    else:
-        raise TypeError(f"guard() takes an httpx.Client or httpx.AsyncClient; got {type(client).__name__}")
+    guard_class = _guard_class_for(client)
 
     def wrap(transport: Any) -> Any:
         if isinstance(transport, guard_class):
@@ -37,6 +33,28 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
             transport = transport.transport
         return guard_class(transport, policy=policy)
 
-    client._transport = wrap(client._transport)
-    client._mounts = {pattern: None if t is None else wrap(t) for pattern, t in client._mounts.items()}
+    target: Any = client
+    target._transport = wrap(target._transport)
+    target._mounts = {pattern: None if t is None else wrap(t) for pattern, t in target._mounts.items()}
     return client
+
+
+def _guard_class_for(client: object) -> type[Any]:
+    if isinstance(client, httpx.AsyncClient):
+        return AsyncGuardTransport
+    if isinstance(client, httpx.Client):
+        return GuardTransport
+    if type(client).__module__.partition(".")[0] == "httpx2":
+        # Imported only for an httpx2 client, so that llama_guard never needs httpx2 otherwise.
+        import httpx2
+
+        from .httpx2 import AsyncGuardTransport as AsyncGuardTransport2
+        from .httpx2 import GuardTransport as GuardTransport2
+
+        if isinstance(client, httpx2.AsyncClient):
+            return AsyncGuardTransport2
+        if isinstance(client, httpx2.Client):
+            return GuardTransport2
+    raise TypeError(
+        f"guard() takes an httpx.Client or httpx.AsyncClient (or their httpx2 twins); got {type(client).__name__}"
+    )

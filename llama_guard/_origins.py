@@ -6,7 +6,7 @@ Sans-I/O: nothing here knows about httpx; transports hand in the parts of a URL 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -60,10 +60,13 @@ class OriginRegistry:
     CPython and a stale miss only delays protection by one response).
     """
 
-    def __init__(self, setting: str | tuple[Origin, ...]) -> None:
+    def __init__(self, setting: str | Sequence[str | Origin]) -> None:
+        """``setting`` is a policy's normalised ``origins``: "all", "auto", or origins."""
         self._all = setting == "all"
         self._auto = setting == "auto"
-        self._known: set[Origin] = set() if isinstance(setting, str) else set(setting)
+        self._known: set[Origin] = set()
+        if not isinstance(setting, str):
+            self._known = {item if isinstance(item, Origin) else parse_origin(item) for item in setting}
         self._lock = threading.Lock()
 
     @property

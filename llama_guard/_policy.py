@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 from ._origins import Origin, parse_origin
@@ -104,7 +104,7 @@ class GuardPolicy:
             endpoints when they may have reached the server (default False).
     """
 
-    origins: OriginsSetting = "all"
+    origins: OriginsSetting | Sequence[str | Origin] = "all"
     stream_mode: StreamMode = "close"
     first_byte_timeout: float | None = None
     probe: bool = True

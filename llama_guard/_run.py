@@ -35,6 +35,8 @@ __all__ = ["RequestRun", "replayable_body"]
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
 MAX_RETRIED_ERROR_BODY = 64 * 1024
+# The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
+STATUS_BACKOFF = 0.5
 
 
 class ReplayableBody(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -183,9 +185,9 @@ class RequestRun:
         if kind is None:
             return exc
         assert isinstance(exc, httpx.TransportError)
-        self.stats.add_error(type(exc).__name__)
         if kind is FailureKind.FIRST_BYTE_TIMEOUT:
             exc = self._first_byte_timeout(exc)
+        self.stats.add_error(type(exc).__name__)
         self.verdict = verdict_for_failure(
             kind,
             progress=tracker.effective_progress(),
@@ -195,9 +197,10 @@ class RequestRun:
             retry_non_idempotent=self.policy.retry_non_idempotent,
         )
         where = "a reused" if tracker.reused_connection else "a new" if tracker.new_connection else "no"
+        detail = str(exc)[:160] or "no detail"
         self.history.append(
             f"attempt {self.attempts}: {type(exc).__name__} on {where} connection "
-            f"({tracker.effective_progress().name.lower()}): {self.verdict.reason}"
+            f"({tracker.effective_progress().name.lower()}): {self.verdict.reason} [{detail}]"
         )
         if self.verdict.retry and self.verdict.stall:
             self.reconnects += 1
@@ -264,14 +267,20 @@ class RequestRun:
         # over a window as wide as the probe deadline (measured on b11434: reconnects spread over less than that
         # reach the server as a new burst and stall again), doubling with each further stall.
         policy = self.policy
-        multiplier = max(policy.backoff, policy.probe_timeout) if verdict.stall else policy.backoff
+        if verdict.stall:
+            multiplier = max(policy.backoff, policy.probe_timeout)
+        elif verdict.status:
+            # A 503 without Retry-After: llama-server loading a model, which takes seconds, not milliseconds.
+            multiplier = max(policy.backoff, STATUS_BACKOFF)
+        else:
+            multiplier = policy.backoff
         return tenacity.wait_random_exponential(multiplier=multiplier, max=policy.backoff_max)(state)
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         self.stats.add(retries=1, stall_reconnects=int(self._last_was_stall()))
         delay = state.upcoming_sleep
         logger.warning(
-            "llama_guard: retrying %s (attempt %d of %d) in %.2f s after %s",
+            "retrying %s (attempt %d of %d) in %.2f s after %s",
             self.description,
             self.attempts + 1,
             self.policy.max_attempts,
@@ -303,7 +312,7 @@ class RequestRun:
             history=tuple(self.history),
         )
         if self.attempts > 1:
-            logger.warning("llama_guard: giving up on %s after %s: %s", self.description, attempts, why)
+            logger.warning("giving up on %s after %s: %s", self.description, attempts, why)
         return error
 
     def result(self, *, connection_closed: bool) -> GuardResult:

@@ -191,7 +191,8 @@ class GuardStats:
         fb = snap.first_byte
         latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
         return (
-            f"<GuardStats requests={snap.requests} attempts={snap.attempts} retries={snap.retries} "
+            f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
+            f"retries={snap.retries} "
             f"stall_reconnects={snap.stall_reconnects} streams_closed={snap.stream_connections_closed} "
             f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} errors={snap.errors}{latency}>"
         )

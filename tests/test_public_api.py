@@ -12,7 +12,6 @@ def test_exported_members() -> None:
     assert sorted(llama_guard.__all__) == sorted(
         [
             "AsyncGuardTransport",
-            "FailureKind",
             "FirstByteTimeout",
             "GuardError",
             "GuardPolicy",
@@ -23,7 +22,6 @@ def test_exported_members() -> None:
             "Origin",
             "ProbeError",
             "ProbeTimeout",
-            "Progress",
             "StatsSnapshot",
             "__version__",
             "guard",

@@ -65,7 +65,9 @@ def test_guard_is_idempotent_and_rewraps_for_a_new_policy() -> None:
 
 
 def test_guard_rejects_what_is_not_an_httpx_client() -> None:
-    with pytest.raises(TypeError, match=r"guard\(\) takes an httpx.Client or httpx.AsyncClient; got str"):
+    with pytest.raises(
+        TypeError, match=r"guard\(\) takes an httpx\.Client or httpx\.AsyncClient \(or their httpx2 twins\); got str"
+    ):
         llama_guard.guard("client")  # type: ignore[type-var]
 
 
@@ -154,18 +156,33 @@ def test_auto_origins_learn_from_the_server_header(server: LlamaServerEmulator) 
 # -- the probe ---------------------------------------------------------------------------------------------------
 
 
-def test_probe_on_a_server_that_closes_after_health_is_disabled(
-    server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture
-) -> None:
-    """If the server closes the connection after answering the probe, probing that origin cannot work: the
-    guard says so once, stops probing it, and the request still succeeds."""
+def test_probe_answered_503_while_loading_keeps_probing(server: LlamaServerEmulator) -> None:
+    """llama-server answers the probe with 503 and closes while it loads a model: that connection is lost,
+    probing is not (a client that first connects during loading must stay protected)."""
     server.inject(Fault.STATUS_503, path="/health")  # error responses come with Connection: close
     with httpx.Client(transport=GuardTransport(), base_url=server.url) as client:
         response = client.post(CHAT, json=BODY)
-        again = client.post(CHAT, json={**BODY, "stream": True})
+        streamed = client.post(CHAT, json={**BODY, "stream": True})  # reuses the connection, then closes it
+        after = client.post(CHAT, json=BODY)  # a new connection: probed again
         stats = client._transport.stats.snapshot()  # type: ignore[attr-defined]
-    assert response.status_code == again.status_code == 200
+    assert response.status_code == streamed.status_code == after.status_code == 200
     assert response.extensions["llama_guard"].attempts == 2
+    assert "answered GET /health with 503" in response.extensions["llama_guard"].history[0]
+    assert stats.probes_sent == 3  # the failed one, the retry's, and the new connection's after the stream
+
+
+def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog: pytest.LogCaptureFixture) -> None:
+    """A server that closes every connection after one answer (200 with Connection: close) cannot be probed: the
+    guard says so once and stops probing it; requests still succeed."""
+    with LlamaServerEmulator(keepalive_max=1) as server:
+        with httpx.Client(transport=GuardTransport(), base_url=server.url) as client:
+            first = client.post(CHAT, json=BODY)
+            second = client.post(CHAT, json=BODY)
+            stats = client._transport.stats.snapshot()  # type: ignore[attr-defined]
+        assert server.stats().completions_started == 2
+    assert first.status_code == second.status_code == 200
+    assert first.extensions["llama_guard"].attempts == 2
+    assert second.extensions["llama_guard"].attempts == 1
     assert stats.probes_sent == 1
     assert "probing disabled for this origin" in caplog.text
 

@@ -1,0 +1,38 @@
+"""llama_guard for httpx2, the maintained fork of httpx (used by openai 3.x, anthropic 2.x, pydantic-ai 2.x).
+
+    import httpx2
+    import llama_guard.httpx2
+
+    client = httpx2.Client(base_url="http://127.0.0.1:8080", transport=llama_guard.httpx2.GuardTransport())
+
+Needs the extra ``pip install 'llama-guard[httpx2]'``. Same behaviour, settings (`llama_guard.GuardPolicy`),
+results and stats as the httpx flavour: its transports are generated from the same source by
+``scripts/unasync.py``. Errors are instances of the httpx2 class they stand for and of `llama_guard.GuardError`.
+"""
+
+try:
+    import httpx2 as _httpx2  # noqa: F401
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("llama_guard.httpx2 needs httpx2: pip install 'llama-guard[httpx2]'") from exc
+
+from .._guard import guard
+from .._guard_error import GuardError
+from .._policy import GuardPolicy
+from ._async_transport import AsyncGuardTransport
+from ._exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
+from ._sync_transport import GuardTransport
+
+__all__ = [
+    "AsyncGuardTransport",
+    "FirstByteTimeout",
+    "GuardError",
+    "GuardPolicy",
+    "GuardTransport",
+    "ProbeError",
+    "ProbeTimeout",
+    "guard",
+]
+
+for _name in ("AsyncGuardTransport", "FirstByteTimeout", "GuardTransport", "ProbeError", "ProbeTimeout"):
+    globals()[_name].__module__ = "llama_guard.httpx2"
+del _name
