@@ -99,7 +99,8 @@ def test_classify_request() -> None:
         True,
     )
     one_shot = classify_request("POST", "/v1/chat/completions", None)
-    assert not one_shot.stream and not one_shot.replayable
+    assert not one_shot.stream
+    assert not one_shot.replayable
     assert not classify_request("GET", "/health", b'{"stream": true}').stream  # only POST bodies stream
 
 
@@ -195,9 +196,15 @@ def test_verdict_for_failure(kind, progress, reused, body_started, request_kind,
 def test_dead_pooled_connection_is_retried_at_once() -> None:
     """The keep-alive race is the connection's fault, not the server's load: no backoff."""
     verdict = verdict_for_failure(
-        K.NETWORK, progress=P.WRITTEN, reused_connection=True, body_started=True, request=CHAT, retry_non_idempotent=False
+        K.NETWORK,
+        progress=P.WRITTEN,
+        reused_connection=True,
+        body_started=True,
+        request=CHAT,
+        retry_non_idempotent=False,
     )
-    assert verdict.retry and not verdict.backoff
+    assert verdict.retry
+    assert not verdict.backoff
 
 
 def test_stalled_connections_back_off() -> None:
@@ -210,7 +217,8 @@ def test_stalled_connections_back_off() -> None:
         request=CHAT,
         retry_non_idempotent=False,
     )
-    assert verdict.retry and verdict.backoff
+    assert verdict.retry
+    assert verdict.backoff
 
 
 @pytest.mark.parametrize(

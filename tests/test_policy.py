@@ -70,14 +70,16 @@ def test_origins_are_normalised() -> None:
 
 def test_repr_is_useful() -> None:
     text = repr(GuardPolicy(first_byte_timeout=2.0))
-    assert text.startswith("GuardPolicy(") and "first_byte_timeout=2.0" in text
+    assert text.startswith("GuardPolicy(")
+    assert "first_byte_timeout=2.0" in text
 
 
 def test_merged_overrides() -> None:
     """A request's overrides produce a new policy; the shared one is unchanged."""
     base = GuardPolicy()
     merged = base.merged({"first_byte_timeout": 3.0, "max_attempts": 2})
-    assert merged.first_byte_timeout == 3.0 and merged.max_attempts == 2
+    assert merged.first_byte_timeout == 3.0
+    assert merged.max_attempts == 2
     assert base.first_byte_timeout is None
     assert base.merged(None) is base
     assert base.merged({}) is base

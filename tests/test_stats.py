@@ -61,7 +61,8 @@ def test_counters_are_thread_safe() -> None:
     snap = stats.snapshot()
     assert snap.attempts == snap.retries == 40_000
     assert snap.errors == {"ReadError": 40_000}
-    assert snap.first_byte is not None and snap.first_byte.count == 40_000
+    assert snap.first_byte is not None
+    assert snap.first_byte.count == 40_000
     stats.reset()
     assert stats.snapshot().attempts == 0
 
@@ -74,5 +75,6 @@ def test_snapshot_as_dict_is_plain_data() -> None:
     stats.record_probe(0.5, answered=False)
     data = stats.snapshot().as_dict()
     json.dumps(data)
-    assert data["probes_sent"] == 2 and data["probes_failed"] == 1
+    assert data["probes_sent"] == 2
+    assert data["probes_failed"] == 1
     assert data["probe_latency"]["count"] == 1
