@@ -90,7 +90,8 @@ class GuardPolicy:
             wait for the answer, so a connection the server will not read is replaced before any real request is
             written to it (default True).
         probe_timeout: seconds the first probe of a request may wait (default 0.5); each further probe of the same
-            request waits twice as long, up to ``probe_timeout_max``.
+            request waits as long again, and each probe after that twice as long, up to ``probe_timeout_max``
+            (0.5, 0.5, 1, 2, 4 s with the defaults).
         probe_timeout_max: the cap on the probe deadline (default 4.0 seconds).
         max_attempts: attempts per request, the first included (default 4; 1 disables retries).
         max_retry_time: no new attempt starts this many seconds after the first began (default 60.0; None for

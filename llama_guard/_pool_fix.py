@@ -17,7 +17,11 @@ from __future__ import annotations
 import types
 from typing import Any
 
-__all__ = ["fix_pool_race"]
+__all__ = ["KEEPALIVE_EXPIRY", "cap_keepalive_expiry", "fix_pool_race"]
+
+# llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), and httpx's default expiry is 5 s too:
+# a pool that reuses a connection just as the server closes it loses the request. Expire ours a second earlier.
+KEEPALIVE_EXPIRY = 4.0
 
 
 def _assign_requests_to_connections(self: Any) -> list[Any]:
@@ -84,3 +88,16 @@ def fix_pool_race(transport: Any) -> bool:
 
 _POOL_CLASSES = ("ConnectionPool", "AsyncConnectionPool")
 _POOL_ATTRIBUTES = ("_requests", "_connections", "_max_connections", "_max_keepalive_connections")
+
+
+def cap_keepalive_expiry(transport: Any, seconds: float = KEEPALIVE_EXPIRY) -> bool:
+    """Lower an httpx transport's pool keep-alive expiry to ``seconds`` (if it is longer or unlimited); True if
+    changed. Applies to httpcore and httpcore2 pools alike."""
+    pool = getattr(transport, "_pool", None)
+    if pool is None or type(pool).__module__.partition(".")[0] not in ("httpcore", "httpcore2"):
+        return False
+    current = getattr(pool, "_keepalive_expiry", seconds)
+    if current is not None and current <= seconds:
+        return False
+    pool._keepalive_expiry = seconds
+    return True

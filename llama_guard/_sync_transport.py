@@ -19,7 +19,7 @@ from ._exceptions import ProbeError, ProbeTimeout
 from ._log import logger
 from ._origins import Origin, OriginRegistry
 from ._policy import GuardPolicy
-from ._pool_fix import fix_pool_race
+from ._pool_fix import KEEPALIVE_EXPIRY, cap_keepalive_expiry, fix_pool_race
 from ._probe import ProbeExchange, ProbeProtocolError
 from ._result import EXTENSION
 from ._run import MAX_RETRIED_ERROR_BODY, RequestRun
@@ -30,7 +30,7 @@ __all__ = ["GuardTransport"]
 
 # llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`): expire ours first, so that the pool
 # never picks a connection at the moment the server closes it.
-DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=4.0)
+DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
 
 
 def origin_of(url: httpx.URL) -> Origin:
@@ -38,7 +38,7 @@ def origin_of(url: httpx.URL) -> Origin:
 
 
 class GuardTransport(httpx.BaseTransport):
-    """An httpx async transport that makes a pooled client safe against llama-server.
+    """An httpx transport that makes a pooled client safe against llama-server.
 
     Wraps ``transport`` (default: a new `httpx.HTTPTransport` whose keep-alive expiry is below
     llama-server's 5 s) and closes it when closed. Requests to llama-server origins get the guard's mechanisms
@@ -58,6 +58,8 @@ class GuardTransport(httpx.BaseTransport):
         self._transport = transport if transport is not None else httpx.HTTPTransport(limits=DEFAULT_LIMITS)
         # httpcore 1.x can close a connection that another request is using (see _pool_fix): not on our watch.
         fix_pool_race(self._transport)
+        # A wrapped transport (guard(client)) usually has httpx's 5 s keep-alive expiry, llama-server's own timeout.
+        cap_keepalive_expiry(self._transport)
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
         # Origins whose server closed the connection after answering a probe: probing them cannot work.

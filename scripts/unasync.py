@@ -33,6 +33,7 @@ UNASYNC_DOCSTRING: Rules = (
 UNASYNC: Rules = (
     (r"\(for a sync client use GuardTransport\)", "(for an async client use AsyncGuardTransport)"),
     (r"an httpx async transport", "an httpx transport"),
+    (r"An httpx async transport", "An httpx transport"),
     (r"\bAsyncGuardTransport\b", "GuardTransport"),
     (r"\b_AsyncDropAfterStream\b", "_SyncDropAfterStream"),
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),

@@ -265,3 +265,10 @@ def test_verdict_for_status(status, headers, request_kind, retry, delay) -> None
 )
 def test_parse_retry_after(value: str | None, expected: float | None) -> None:
     assert parse_retry_after(value, now=40.0 if value and "1970" in value else None) == expected
+
+
+def test_probe_deadlines() -> None:
+    """A second stall gets the same short deadline; later ones double up to the cap."""
+    from llama_guard._probe import probe_deadline
+
+    assert [probe_deadline(n, first=0.5, cap=4.0) for n in range(6)] == [0.5, 0.5, 1.0, 2.0, 4.0, 4.0]

@@ -337,3 +337,13 @@ def test_pool_fix_never_closes_or_reassigns_a_reserved_connection() -> None:
     assert fix_pool_race(httpx.HTTPTransport(http2=True)) is False
     pool._requests, pool._connections = [], []
     transport.close()
+
+
+def test_guard_lowers_the_keepalive_expiry_below_llama_servers() -> None:
+    """httpx's default 5 s expiry equals llama-server's keep-alive timeout; wrapped pools expire at 4 s."""
+    client = llama_guard.guard(httpx.Client())
+    assert client._transport.transport._pool._keepalive_expiry == 4.0  # type: ignore[attr-defined]
+    client.close()
+    shorter = httpx.HTTPTransport(limits=httpx.Limits(keepalive_expiry=1.0))
+    with GuardTransport(shorter):
+        assert shorter._pool._keepalive_expiry == 1.0
