@@ -455,6 +455,10 @@ class LlamaServerEmulator:
 
     def _on_accept(self, sock: socket.socket) -> None:
         sock.settimeout(None)
+        # Each write goes out at once, as llama-server's final chunk does (its EOF follows 28 us later on b11434).
+        # With Nagle's algorithm the final chunk would wait for the client's delayed ACK (~40 ms) or the close, and
+        # a stream_close_delay below that would hide the race instead of widening it.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn_id = next(self._conn_ids)
         self._stats.connection_accepted()
         rule = self._faults.take_connection_fault()
