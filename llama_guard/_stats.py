@@ -162,6 +162,16 @@ class GuardStats:
         with self._lock:
             self.first_byte.record(seconds)
 
+    def record_request(self, *, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
+        """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
+        went out with ``Connection: close``. One lock for all, as this runs once per request."""
+        with self._lock:
+            self.requests += 1
+            self.attempts += attempts
+            self.stream_connections_closed += closed_by_header
+            if first_byte is not None:
+                self.first_byte.record(first_byte)
+
     def record_probe(self, seconds: float, *, answered: bool) -> None:
         with self._lock:
             self.probes_sent += 1

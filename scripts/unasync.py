@@ -36,6 +36,7 @@ UNASYNC: Rules = (
     (r"An httpx async transport", "An httpx transport"),
     (r"\bAsyncGuardTransport\b", "GuardTransport"),
     (r"\b_AsyncDropAfterStream\b", "_SyncDropAfterStream"),
+    (r"\b_AsyncTracer\b", "_SyncTracer"),
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),
     (r"\bhttpx\.AsyncHTTPTransport\b", "httpx.HTTPTransport"),
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),

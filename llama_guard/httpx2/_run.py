@@ -112,7 +112,8 @@ class RequestRun:
         self.history: list[str] = []
         self.verdict: Verdict | None = None
         self.deadline_applied = False
-        stats.add(requests=1)
+        self.first_byte: float | None = None
+        self.closed_by_header = False
 
     @functools.cached_property
     def description(self) -> str:
@@ -137,7 +138,6 @@ class RequestRun:
         gives the caller's back."""
         self.attempts += 1
         self.verdict = None
-        self.stats.add(attempts=1)
         extensions = dict(self.user_extensions)
         extensions.pop(EXTENSION, None)
         extensions["trace"] = trace
@@ -316,9 +316,15 @@ class RequestRun:
             logger.warning("giving up on %s after %s: %s", self.description, attempts, why)
         return error
 
+    def record(self) -> None:
+        """Count this request in the transport's stats, once, when it has ended (answered or not)."""
+        self.stats.record_request(
+            attempts=self.attempts, first_byte=self.first_byte, closed_by_header=self.closed_by_header
+        )
+
     def result(self, *, connection_closed: bool) -> GuardResult:
-        first_byte = time.monotonic() - self.started
-        self.stats.record_first_byte(first_byte)
+        self.first_byte = first_byte = time.monotonic() - self.started
+        self.closed_by_header = self.close_connection
         return GuardResult(
             attempts=self.attempts,
             reconnects=self.reconnects,

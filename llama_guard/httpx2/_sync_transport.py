@@ -90,19 +90,22 @@ class GuardTransport(httpx.BaseTransport):
         if not self._origins.is_llama(origin):
             return self._pass_through(request, origin)
         run = RequestRun(request, origin, self._policy.merged(request.extensions.get(EXTENSION)), self.stats)
-        # The first attempt runs bare: most requests succeed at once and should not pay for the retry machinery.
         try:
-            response = self._attempt(run)
-        except Exception as exc:
-            if not run.may_retry:
-                if isinstance(exc, httpx.TransportError):
-                    raise run.final_error(exc) from exc
-                raise
-            response = self._retry(run, exc)
-        else:
-            if run.may_retry:
-                response = self._retry(run, response)
-        return self._deliver(response, run)
+            # The first attempt runs bare: most requests succeed at once and should not pay for retry machinery.
+            try:
+                response = self._attempt(run)
+            except Exception as exc:
+                if not run.may_retry:
+                    if isinstance(exc, httpx.TransportError):
+                        raise run.final_error(exc) from exc
+                    raise
+                response = self._retry(run, exc)
+            else:
+                if run.may_retry:
+                    response = self._retry(run, response)
+            return self._deliver(response, run)
+        finally:
+            run.record()  # one locked update of the counters per request, however it ended
 
     def _retry(self, run: RequestRun, first: httpx.Response | Exception) -> httpx.Response:
         """Attempts after the first, paced and bounded by tenacity.
@@ -130,20 +133,8 @@ class GuardTransport(httpx.BaseTransport):
 
     def _attempt(self, run: RequestRun) -> httpx.Response:
         tracker = ProgressTracker()
-        user_trace = run.user_trace
         probe_event = run.probe_event if run.origin not in self._unprobeable else None
-        direct = True  # False when httpcore connects to a proxy rather than to the origin: nothing to probe then
-
-        def trace(event: str, info: dict[str, Any]) -> None:
-            nonlocal direct
-            tracker.observe(event)
-            if event == "connection.connect_tcp.started":
-                direct = (info.get("host"), info.get("port")) == (run.request.url.host, run.origin.port)
-            elif event == probe_event and direct:
-                self._probe(info["return_value"], run)
-            if user_trace is not None:
-                user_trace(event, info)
-
+        trace = _SyncTracer(self, run, tracker, probe_event)
         try:
             response = self._transport.handle_request(run.begin_attempt(trace))
         except Exception as exc:
@@ -224,8 +215,6 @@ class GuardTransport(httpx.BaseTransport):
         closing = run.close_connection
         if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
             closing = self._drop_after_stream(response)
-        elif closing:
-            self.stats.add(stream_connections_closed=1)
         response.extensions[EXTENSION] = run.result(connection_closed=closing)
         return response
 
@@ -249,6 +238,33 @@ class GuardTransport(httpx.BaseTransport):
             return False
         response.stream = _SyncDropAfterStream(response.stream, network_stream, self.stats)
         return True
+
+
+class _SyncTracer:
+    """The ``trace`` extension of one attempt: follows its progress, probes a new connection, and passes every
+    event on to the caller's own trace callback. An object with slots rather than a closure: no reference cycle,
+    nothing for the garbage collector to do per request."""
+
+    __slots__ = ("_direct", "_probe_event", "_run", "_tracker", "_transport", "_user_trace")
+
+    def __init__(
+        self, transport: GuardTransport, run: RequestRun, tracker: ProgressTracker, probe_event: str | None
+    ) -> None:
+        self._transport = transport
+        self._run = run
+        self._tracker = tracker
+        self._probe_event = probe_event
+        self._user_trace = run.user_trace
+        self._direct = True  # False when httpcore connects to a proxy, not to the origin: nothing to probe then
+
+    def __call__(self, event: str, info: dict[str, Any]) -> None:
+        self._tracker.observe(event)
+        if event == "connection.connect_tcp.started":
+            self._direct = (info.get("host"), info.get("port")) == (self._run.request.url.host, self._run.origin.port)
+        elif event == self._probe_event and self._direct:
+            self._transport._probe(info["return_value"], self._run)
+        if self._user_trace is not None:
+            self._user_trace(event, info)
 
 
 class _SyncDropAfterStream(httpx.SyncByteStream):

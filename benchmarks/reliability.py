@@ -1,0 +1,605 @@
+"""What the guard does against a real llama-server b11434: errors, stuck connections, latency, throughput, cost.
+
+Two scenarios, each client kind on a fresh server of its own (``RealLlamaServer`` with the tiny random-weight
+model, ``--threads 1 --metrics``), the kinds interleaved in rounds (ABC, BCA, CAB, ...):
+
+* proxy-like load: 16 threads share one sync ``httpx.Client`` with a 4-connection pool, half the requests streamed
+  (read to the end), on a server with default flags (``--parallel 4``). Plain httpx loses requests to defect 1
+  (the server closes a streamed response's keep-alive connection after the final chunk; the pool reuses it).
+* burst: a server with ``--threads-http 4``; 32 keep-alive connections opened at once before any request
+  (``open_burst``), one handed to each of 32 sync clients (``burst_transport``, a 1-connection pool each); each
+  client then sends requests one after the other for ``--seconds``. Defect 2 (cpp-httplib's pool idle counter,
+  fixed in b11737) leaves some connections unread: a connection is *stuck* when its client's first response
+  never came within the run.
+
+Every completion asks for ``max_tokens`` tokens with ``"ignore_eos": true``, so the server's
+``tokens_predicted_total / max_tokens`` (``--metrics``) is the number of completions it ran: a guard that rescues a
+stalled connection must not make the server run anything twice.
+
+Client kinds: plain httpx; the guard with the deadline only (``GuardPolicy(probe=False, first_byte_timeout=1.0)``);
+the guard with its default policy (probe on). On the proxy-like load, also each mechanism alone: stream close only
+(``GuardPolicy(probe=False)``) and retries only (``GuardPolicy(probe=False, stream_mode="off")``).
+
+Usage::
+
+    python benchmarks/reliability.py                    # ~5 minutes: 2,000 proxy-like requests and 5 bursts per kind
+    python benchmarks/reliability.py --runs 3 --requests 500 --seconds 10 --out /tmp/img
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+from _common import fmt_seconds, machine, median, rotated, table
+
+import llama_guard
+from llama_guard import GuardPolicy, GuardTransport
+from llama_guard.testing import burst_transport, open_burst
+from llama_guard.testing._real_server import LLAMA_SERVER_BUILD, RealLlamaServer, find_llama_server
+from llama_guard.testing._tiny_model import write_tiny_model
+
+CHAT = "/v1/chat/completions"
+MAX_TOKENS = 8
+PROXY_THREADS = 16
+PROXY_LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=4)
+BURST_CLIENTS = 32
+BURST_LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+FIRST_RESPONSE_TARGET = 3.0
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "img"
+
+PLAIN = "plain httpx"
+DEADLINE = "guard deadline-only"
+DEFAULT = "guard default (probe)"
+STREAM_CLOSE = "guard stream-close only"
+RETRIES = "guard retries only"
+
+#: Client kinds: None is plain httpx; a policy means GuardTransport(inner, policy=policy).
+POLICIES: dict[str, GuardPolicy | None] = {
+    PLAIN: None,
+    DEADLINE: GuardPolicy(probe=False, first_byte_timeout=1.0),
+    DEFAULT: GuardPolicy(),
+    STREAM_CLOSE: GuardPolicy(probe=False),
+    RETRIES: GuardPolicy(probe=False, stream_mode="off"),
+}
+BURST_KINDS = (PLAIN, DEADLINE, DEFAULT)
+PROXY_KINDS = (PLAIN, DEADLINE, DEFAULT, STREAM_CLOSE, RETRIES)
+
+
+def chat_body(*, stream: bool) -> dict[str, Any]:
+    return {
+        "messages": [{"role": "user", "content": "hello there"}],
+        "stream": stream,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+
+@dataclasses.dataclass
+class Outcome:
+    """One request as the caller saw it."""
+
+    ok: bool
+    first_byte: float | None = None  # seconds from the call to the response headers
+    error: str | None = None  # exception class (or "HTTP <status>", "truncated stream")
+    cut: bool = False  # ended by the end of the run, not by a failure (burst only)
+
+
+@dataclasses.dataclass
+class Block:
+    """One client kind on one fresh server."""
+
+    scenario: str
+    kind: str
+    round: int
+    outcomes: list[Outcome]
+    seconds: float
+    server_completions: float
+    #: Burst: per client, seconds to its first response, None if it never came within the run.
+    first_responses: list[float | None] = dataclasses.field(default_factory=list)
+    guard: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ok(self) -> int:
+        return sum(o.ok for o in self.outcomes)
+
+    @property
+    def errors(self) -> int:
+        return sum(not o.ok and not o.cut for o in self.outcomes)
+
+    @property
+    def stuck(self) -> int:
+        return sum(f is None for f in self.first_responses)
+
+    @property
+    def rate(self) -> float:
+        return self.ok / self.seconds if self.seconds > 0 else 0.0
+
+
+def error_name(exc: BaseException) -> str:
+    # The guard's errors are subclasses of the httpx ones ("GuardedReadTimeout", "ProbeTimeout"): name both.
+    names = [cls.__name__ for cls in type(exc).__mro__ if cls.__module__.startswith("httpx")]
+    name = type(exc).__name__
+    return name if not names or names[0] == name else f"{name}({names[0]})"
+
+
+def make_client(
+    policy: GuardPolicy | None, inner: httpx.HTTPTransport, base_url: str, timeout: httpx.Timeout
+) -> httpx.Client:
+    transport: httpx.BaseTransport = inner if policy is None else GuardTransport(inner, policy=policy)
+    return httpx.Client(transport=transport, base_url=base_url, timeout=timeout)
+
+
+def guard_counters(client: httpx.Client) -> dict[str, int]:
+    transport = client._transport
+    if not isinstance(transport, GuardTransport):
+        return {}
+    snap = transport.stats.snapshot()
+    return {
+        "retries": snap.retries,
+        "probes": snap.probes_sent,
+        "probes_failed": snap.probes_failed,
+        "stall_reconnects": snap.stall_reconnects,
+        "streams_closed": snap.stream_connections_closed,
+    }
+
+
+def server_completions(server: RealLlamaServer, settle: float = 8.0) -> float:
+    """Completions the server ran: ``tokens_predicted_total / max_tokens``, read once it stops changing (a
+    connection left queued by the burst may be read, and its request run, only after the clients closed theirs)."""
+    deadline = time.monotonic() + settle
+    last = -1.0
+    while True:
+        value = server.metrics().get("tokens_predicted_total", 0.0) / MAX_TOKENS
+        if value == last or time.monotonic() >= deadline:
+            return value
+        last = value
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def fresh_server(model: Path, binary: Path, **kwargs: Any) -> Iterator[RealLlamaServer]:
+    server = RealLlamaServer(model, binary=binary, threads=1, metrics=True, **kwargs)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        server.cleanup_log()
+
+
+# -- the proxy-like load ---------------------------------------------------------------------------------------
+
+
+def proxy_block(model: Path, binary: Path, kind: str, round_index: int, requests: int) -> Block:
+    with fresh_server(model, binary) as server:
+        inner = httpx.HTTPTransport(limits=PROXY_LIMITS)
+        client = make_client(POLICIES[kind], inner, server.url, httpx.Timeout(30.0))
+        outcomes: list[Outcome] = []
+        lock = threading.Lock()
+        issued = 0
+
+        def next_index() -> int | None:
+            nonlocal issued
+            with lock:
+                if issued >= requests:
+                    return None
+                issued += 1
+                return issued
+
+        def worker() -> None:
+            while (index := next_index()) is not None:
+                outcome = one_request(client, stream=index % 2 == 1)
+                with lock:
+                    outcomes.append(outcome)
+
+        threads = [threading.Thread(target=worker) for _ in range(PROXY_THREADS)]
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        seconds = time.perf_counter() - started
+        counters = guard_counters(client)
+        client.close()
+        completions = server_completions(server)
+    return Block("proxy-like", kind, round_index, outcomes, seconds, completions, guard=counters)
+
+
+def one_request(client: httpx.Client, *, stream: bool, timeout: httpx.Timeout | None = None) -> Outcome:
+    started = time.perf_counter()
+    try:
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+        with client.stream("POST", CHAT, json=chat_body(stream=stream), **kwargs) as response:
+            first_byte = time.perf_counter() - started
+            if response.status_code != 200:
+                response.read()
+                return Outcome(False, first_byte, f"HTTP {response.status_code}")
+            if stream:
+                tail = b""
+                for chunk in response.iter_bytes():
+                    tail = (tail + chunk)[-64:]
+                if b"[DONE]" not in tail:
+                    return Outcome(False, first_byte, "truncated stream")
+            else:
+                response.read()
+        return Outcome(True, first_byte)
+    except httpx.HTTPError as exc:
+        return Outcome(False, None, error_name(exc))
+
+
+# -- the burst -------------------------------------------------------------------------------------------------
+
+
+def burst_block(model: Path, binary: Path, kind: str, round_index: int, seconds: float) -> Block:
+    with fresh_server(model, binary, threads_http=4) as server:
+        policy = POLICIES[kind]
+        sockets = open_burst(server.host, server.port, BURST_CLIENTS)
+        clients = [
+            make_client(policy, burst_transport([sock], limits=BURST_LIMITS), server.url, httpx.Timeout(10.0))
+            for sock in sockets
+        ]
+        outcomes: list[list[Outcome]] = [[] for _ in clients]
+        first_responses: list[float | None] = [None] * len(clients)
+        barrier = threading.Barrier(len(clients) + 1)
+        clock: dict[str, float] = {}
+
+        def worker(index: int) -> None:
+            client = clients[index]
+            barrier.wait()
+            start, deadline = clock["start"], clock["deadline"]
+            while (remaining := deadline - time.perf_counter()) > 0:
+                # The run ends at the deadline: a request still waiting then is cut, not failed.
+                timeout = httpx.Timeout(10.0, read=remaining, pool=remaining)
+                outcome = one_request(client, stream=False, timeout=timeout)
+                if not outcome.ok and time.perf_counter() >= deadline - 0.05 and "Timeout" in (outcome.error or ""):
+                    outcome.cut = True
+                outcomes[index].append(outcome)
+                if outcome.ok and first_responses[index] is None:
+                    answered = time.perf_counter() - start
+                    if answered <= seconds:
+                        first_responses[index] = answered
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(clients))]
+        for thread in threads:
+            thread.start()
+        clock["start"] = time.perf_counter()
+        clock["deadline"] = clock["start"] + seconds
+        barrier.wait()
+        for thread in threads:
+            thread.join()
+        elapsed = time.perf_counter() - clock["start"]
+        counters: dict[str, int] = collections.Counter()
+        for client in clients:
+            counters.update(guard_counters(client))
+            client.close()
+        completions = server_completions(server)
+    flat = [o for per_client in outcomes for o in per_client]
+    return Block("burst", kind, round_index, flat, elapsed, completions, first_responses, dict(counters))
+
+
+# -- reporting -------------------------------------------------------------------------------------------------
+
+
+def summarise(blocks: Sequence[Block], kinds: Sequence[str], *, burst: bool) -> str:
+    by_kind = {kind: [b for b in blocks if b.kind == kind] for kind in kinds}
+    plain_rates = {b.round: b.rate for b in by_kind[PLAIN]}
+    rows = []
+    for kind, mine in by_kind.items():
+        outcomes = [o for b in mine for o in b.outcomes]
+        latencies = [o.first_byte for o in outcomes if o.first_byte is not None]
+        requests = len(outcomes)
+        errors = sum(b.errors for b in mine)
+        ok = sum(b.ok for b in mine)
+        ratio = median([b.rate / plain_rates[b.round] for b in mine if plain_rates.get(b.round)])
+        ran = sum(b.server_completions for b in mine)
+        stuck = "-"
+        if burst:
+            stuck_runs = sum(b.stuck > 0 for b in mine)
+            stuck = f"{sum(b.stuck for b in mine)} ({stuck_runs}/{len(mine)} runs)"
+            firsts = [f for b in mine for f in b.first_responses if f is not None]
+            first_max = fmt_seconds(max(firsts)) if firsts else "-"
+        g = collections.Counter[str]()
+        for b in mine:
+            g.update(b.guard)
+        guard = f"{g['retries']} / {g['probes']} ({g['probes_failed']})" if g else "-"
+        row = [
+            kind,
+            f"{requests}",
+            f"{errors}",
+            stuck,
+            fmt_seconds(median(latencies) if latencies else None),
+            fmt_seconds(max(latencies) if latencies else None),
+            f"{median([b.rate for b in mine]):.1f}",
+            "1 (ref)" if kind == PLAIN else f"{ratio:.2f}",
+            f"{ran:.0f} / {requests} ({ok} ok)" + ("" if ran <= requests + 1e-6 else " MORE THAN SENT"),
+            guard,
+        ]
+        if burst:
+            row.insert(4, first_max)
+        rows.append(row)
+    headers = [
+        "client",
+        "requests",
+        "errors",
+        "stuck conns",
+        "first byte p50",
+        "first byte max",
+        "ok req/s",
+        "vs plain",
+        "server ran / sent",
+        "retries / probes (failed)",
+    ]
+    if burst:
+        headers.insert(4, "slowest 1st response")
+    else:
+        headers.remove("stuck conns")
+        for row in rows:
+            del row[3]
+    return table(headers, rows)
+
+
+def error_breakdown(blocks: Sequence[Block]) -> list[str]:
+    lines = []
+    for scenario in dict.fromkeys(b.scenario for b in blocks):
+        for kind in dict.fromkeys(b.kind for b in blocks if b.scenario == scenario):
+            counts = collections.Counter(
+                o.error
+                for b in blocks
+                if b.scenario == scenario and b.kind == kind
+                for o in b.outcomes
+                if o.error is not None and not o.cut
+            )
+            if counts:
+                text = ", ".join(f"{name} x{n}" for name, n in counts.most_common())
+                lines.append(f"  {scenario}, {kind}: {text}")
+    return lines
+
+
+def per_run_lines(blocks: Sequence[Block]) -> list[str]:
+    lines = []
+    for b in blocks:
+        firsts = [f for f in b.first_responses if f is not None]
+        burst = (
+            f"{b.stuck} stuck, slowest first response {fmt_seconds(max(firsts) if firsts else None)}, "
+            if b.first_responses
+            else ""
+        )
+        lines.append(
+            f"  {'run' if b.first_responses else 'round'} {b.round + 1} {b.kind}: {len(b.outcomes)} requests, "
+            f"{b.errors} errors, {burst}{b.rate:.1f} ok req/s, server ran {b.server_completions:.1f}"
+        )
+    return lines
+
+
+def plot_burst(blocks: Sequence[Block], seconds: float, path: Path) -> str:
+    """A strip plot of every burst connection's first-response latency, per client kind, log y axis."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no picture (pip install matplotlib)"
+    rng = random.Random(0)
+    kinds = [k for k in BURST_KINDS if any(b.kind == k for b in blocks)]
+    runs = sorted({b.round for b in blocks})
+    colours = plt.get_cmap("tab10")
+    fig, ax = plt.subplots(figsize=(8.5, 5.2), dpi=120)
+    stuck_y = seconds * 1.6
+    for x, kind in enumerate(kinds):
+        for b in (b for b in blocks if b.kind == kind):
+            colour = colours(runs.index(b.round) % 10)
+            served = [f for f in b.first_responses if f is not None]
+            xs = [x + rng.uniform(-0.28, 0.28) for _ in served]
+            ax.scatter(xs, served, s=14, color=colour, alpha=0.75, linewidths=0)
+            stuck = b.stuck
+            if stuck:
+                xs = [x + rng.uniform(-0.28, 0.28) for _ in range(stuck)]
+                ax.scatter(xs, [stuck_y] * stuck, s=28, marker="x", color=colour, linewidths=1.2)
+        n_stuck = sum(b.stuck for b in blocks if b.kind == kind)
+        n_runs = sum(b.kind == kind for b in blocks)
+        ax.annotate(
+            f"{n_stuck} stuck / {BURST_CLIENTS * n_runs}",
+            (x, stuck_y),
+            xytext=(0, 10),
+            textcoords="offset points",
+            ha="center",
+            fontsize=8,
+        )
+    ax.axhline(stuck_y, color="grey", linewidth=0.5, alpha=0.5)
+    ax.text(-0.55, stuck_y * 1.06, "never answered", fontsize=8, va="bottom", color="dimgrey")
+    ax.set_yscale("log")
+    ax.axhline(FIRST_RESPONSE_TARGET, color="grey", linestyle="--", linewidth=0.8)
+    ax.text(len(kinds) - 0.5, FIRST_RESPONSE_TARGET * 1.08, f"{FIRST_RESPONSE_TARGET:g} s", ha="right", fontsize=8)
+    ax.axhline(seconds, color="grey", linestyle=":", linewidth=0.8)
+    ax.text(len(kinds) - 0.5, seconds * 1.08, f"end of run ({seconds:g} s)", ha="right", fontsize=8)
+    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_xlim(-0.6, len(kinds) - 0.4)
+    low = min([f for b in blocks for f in b.first_responses if f is not None] or [0.01])
+    ax.set_ylim(max(low / 2, 1e-3), stuck_y * 2.2)
+    ax.set_ylabel("first response of the connection (s, log)")
+    ax.set_title(
+        f"Burst: {BURST_CLIENTS} keep-alive connections opened at once, one per client\n"
+        f"llama-server {LLAMA_SERVER_BUILD} --threads-http 4, fresh server per run; "
+        f"{len(runs)} runs per kind (colour = run); x = never answered",
+        fontsize=9,
+    )
+    ax.grid(axis="y", which="both", alpha=0.25)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return f"wrote {path}"
+
+
+def targets(proxy: Sequence[Block], burst: Sequence[Block]) -> list[str]:
+    lines = []
+
+    def check(ok: bool, text: str) -> None:
+        lines.append(f"  [{'met' if ok else 'MISSED'}] {text}")
+
+    plain_rates = {b.round: b.rate for b in proxy if b.kind == PLAIN}
+    for kind in (k for k in PROXY_KINDS if k != PLAIN and any(b.kind == k for b in proxy)):
+        mine = [b for b in proxy if b.kind == kind]
+        sent = sum(len(b.outcomes) for b in mine)
+        errors = sum(b.errors for b in mine)
+        check(errors == 0 and sent >= 2000, f"proxy-like, {kind}: {errors} errors in {sent} requests (0 in >= 2,000)")
+        ratio = median([b.rate / plain_rates[b.round] for b in mine if plain_rates.get(b.round)])
+        check(ratio >= 0.80, f"proxy-like, {kind}: ok req/s {ratio:.2f} x plain (>= 0.80)")
+    plain = [b for b in proxy if b.kind == PLAIN]
+    if plain:
+        sent = sum(len(b.outcomes) for b in plain)
+        errors = sum(b.errors for b in plain)
+        lines.append(f"  [info] proxy-like, plain httpx: {errors} errors in {sent} requests ({errors / sent:.1%})")
+    for kind in (DEADLINE, DEFAULT):
+        mine = [b for b in burst if b.kind == kind]
+        if not mine:
+            continue
+        stuck = sum(b.stuck for b in mine)
+        firsts = [f for b in mine for f in b.first_responses if f is not None]
+        slowest = max(firsts) if firsts else math.inf
+        check(
+            stuck == 0 and slowest <= FIRST_RESPONSE_TARGET and len(mine) >= 5,
+            f"burst, {kind}: {stuck} stuck, slowest first response {fmt_seconds(slowest)} over {len(mine)} runs "
+            f"(0 stuck, <= {FIRST_RESPONSE_TARGET:g} s, >= 5 runs)",
+        )
+    over = [b for b in [*proxy, *burst] if b.server_completions > len(b.outcomes) + 1e-6]
+    check(
+        not over,
+        "server-side completions <= requests sent, every block"
+        + ("" if not over else ": " + ", ".join(f"{b.scenario} {b.kind} run {b.round + 1}" for b in over)),
+    )
+    return lines
+
+
+# -- main ------------------------------------------------------------------------------------------------------
+
+
+def interleaved(
+    kinds: Sequence[str], rounds: int, run: Callable[[str, int], Block], label: str, log: Callable[[str], None]
+) -> list[Block]:
+    blocks = []
+    for r in range(rounds):
+        for kind in rotated(kinds, r):
+            block = run(kind, r)
+            log(
+                f"{label} round {r + 1}/{rounds} {kind}: {len(block.outcomes)} requests, {block.errors} errors, "
+                f"{block.stuck} stuck, {block.rate:.1f} ok req/s, server ran {block.server_completions:.1f}"
+            )
+            blocks.append(block)
+    return blocks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--runs", type=int, default=5, help="fresh-server burst runs per client kind (default 5)")
+    parser.add_argument("--requests", type=int, default=2000, help="proxy-like requests per client kind (default 2000)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="length of one burst run (default 15)")
+    parser.add_argument(
+        "--proxy-rounds",
+        type=int,
+        default=4,
+        help="interleaved proxy-like rounds, each kind on a fresh server per round (default 4)",
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the PNG (default docs/img)")
+    parser.add_argument("--skip-proxy", action="store_true", help="run the burst scenario only")
+    parser.add_argument("--skip-burst", action="store_true", help="run the proxy-like scenario only")
+    parser.add_argument("--verbose", action="store_true", help="show the guard's retry warnings")
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.requests < args.proxy_rounds or args.seconds <= 0 or args.proxy_rounds < 1:
+        parser.error("--runs >= 1, --requests >= --proxy-rounds >= 1, --seconds > 0")
+
+    binary = find_llama_server()
+    if binary is None:
+        print("no llama-server binary: run 'python scripts/get_llama_server.py' or set LLAMA_SERVER_BIN")
+        return 0
+
+    if not args.verbose:
+        # The guard logs a warning per retry; thousands of them would bury the figures (its stats count them).
+        logging.getLogger("llama_guard").addHandler(logging.NullHandler())
+        logging.getLogger("llama_guard").propagate = False
+
+    def log(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+    print(f"machine: {machine()}")
+    print(
+        f"llama-server {LLAMA_SERVER_BUILD} ({binary}), httpx {httpx.__version__}, "
+        f"llama_guard {llama_guard.__version__}"
+    )
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="llama-guard-bench-") as tmp:
+        model = write_tiny_model(Path(tmp) / "tiny.gguf")
+        proxy: list[Block] = []
+        burst: list[Block] = []
+        if not args.skip_proxy:
+            per_round = math.ceil(args.requests / args.proxy_rounds)
+            proxy = interleaved(
+                PROXY_KINDS,
+                args.proxy_rounds,
+                lambda kind, r: proxy_block(model, binary, kind, r, per_round),
+                "proxy-like",
+                log,
+            )
+        if not args.skip_burst:
+            burst = interleaved(
+                BURST_KINDS,
+                args.runs,
+                lambda kind, r: burst_block(model, binary, kind, r, args.seconds),
+                "burst",
+                log,
+            )
+
+    print()
+    if proxy:
+        print(
+            f"Proxy-like load: {PROXY_THREADS} threads, one httpx.Client, 4-connection pool, half streamed, "
+            f"max_tokens={MAX_TOKENS}; fresh server (default flags, --parallel 4) per kind and round, "
+            f"{args.proxy_rounds} interleaved rounds; ok req/s and 'vs plain' are medians over rounds:"
+        )
+        print(summarise(proxy, list(PROXY_KINDS), burst=False))
+        print()
+        print("Proxy-like rounds:")
+        print("\n".join(per_run_lines(proxy)))
+        print()
+    if burst:
+        print(
+            f"Burst: {BURST_CLIENTS} connections opened at once, one per client, {args.seconds:g} s of back-to-back "
+            f"non-streamed requests per client; fresh server (--threads-http 4) per kind and run, {args.runs} "
+            "interleaved runs; 'stuck' = the client's first response never came within the run; ok req/s and "
+            "'vs plain' are medians over runs:"
+        )
+        print(summarise(burst, list(BURST_KINDS), burst=True))
+        print()
+        print("Burst runs:")
+        print("\n".join(per_run_lines(burst)))
+        print(plot_burst(burst, args.seconds, args.out / "burst_first_byte.png"))
+        print()
+    errors = error_breakdown([*proxy, *burst])
+    if errors:
+        print("Errors by kind (the guard's own classes name the httpx class they stand for):")
+        print("\n".join(errors))
+        print()
+    print("Targets:")
+    print("\n".join(targets(proxy, burst)))
+    print(f"\n({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
