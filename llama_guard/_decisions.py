@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Final
+from typing import Final, NamedTuple
 
 __all__ = [
     "FailureKind",
@@ -97,9 +97,9 @@ def is_streaming_response(headers: Mapping[str, str]) -> bool:
     ).lower().startswith("text/event-stream")
 
 
-@dataclass(frozen=True, slots=True)
-class RequestKind:
-    """What the guard needs to know about one request, decided once before its first attempt."""
+class RequestKind(NamedTuple):
+    """What the guard needs to know about one request, decided once before its first attempt (a named tuple:
+    built for every request, and cheaper than a frozen dataclass)."""
 
     method: str
     idempotent: bool

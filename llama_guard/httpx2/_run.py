@@ -6,7 +6,6 @@ Shared by the sync and async transports (it does no I/O); they own the network c
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -85,7 +84,32 @@ def replayable_body(request: httpx.Request) -> bytes | None:
 
 
 class RequestRun:
-    """State of one guarded request across its attempts."""
+    """State of one guarded request across its attempts. Slotted: one is built for every request."""
+
+    __slots__ = (
+        "attempt_timeouts",
+        "attempts",
+        "body",
+        "close_connection",
+        "closed_by_header",
+        "deadline_applied",
+        "failed_probes",
+        "first_byte",
+        "history",
+        "kind",
+        "origin",
+        "policy",
+        "probe_event",
+        "reconnects",
+        "request",
+        "started",
+        "stats",
+        "user_extensions",
+        "user_stream",
+        "user_timeouts",
+        "user_trace",
+        "verdict",
+    )
 
     def __init__(self, request: httpx.Request, origin: Origin, policy: GuardPolicy, stats: GuardStats) -> None:
         self.request = request
@@ -115,12 +139,13 @@ class RequestRun:
         self.first_byte: float | None = None
         self.closed_by_header = False
 
-    @functools.cached_property
+    @property
     def description(self) -> str:
+        """For logs and error messages (computed when needed: the happy path never needs it)."""
         url = self.request.url
         return describe_request(self.request.method, url.scheme, url.host, url.port, url.path)
 
-    @functools.cached_property
+    @property
     def host_header(self) -> str:
         return self.request.headers.get("host") or self.request.url.netloc.decode("ascii")
 
