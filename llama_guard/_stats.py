@@ -158,10 +158,6 @@ class GuardStats:
         with self._lock:
             self.errors[kind] += 1
 
-    def record_first_byte(self, seconds: float) -> None:
-        with self._lock:
-            self.first_byte.record(seconds)
-
     def record_request(self, *, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
         """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
         went out with ``Connection: close``. One lock for all, as this runs once per request."""

@@ -49,9 +49,9 @@ def test_counters_are_thread_safe() -> None:
 
     def work() -> None:
         for _ in range(5_000):
-            stats.add(attempts=1, retries=1)
+            stats.add(retries=1)
             stats.add_error("ReadError")
-            stats.record_first_byte(0.001)
+            stats.record_request(attempts=1, first_byte=0.001, closed_by_header=True)
 
     threads = [threading.Thread(target=work) for _ in range(8)]
     for thread in threads:
@@ -59,7 +59,7 @@ def test_counters_are_thread_safe() -> None:
     for thread in threads:
         thread.join()
     snap = stats.snapshot()
-    assert snap.attempts == snap.retries == 40_000
+    assert snap.requests == snap.attempts == snap.retries == snap.stream_connections_closed == 40_000
     assert snap.errors == {"ReadError": 40_000}
     assert snap.first_byte is not None
     assert snap.first_byte.count == 40_000
