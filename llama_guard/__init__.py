@@ -11,6 +11,7 @@ from ._async_transport import AsyncGuardTransport
 from ._exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._guard import guard
 from ._guard_error import GuardError
+from ._install import Installation, install, uninstall
 from ._origins import Origin
 from ._policy import GuardPolicy
 from ._result import GuardResult
@@ -27,6 +28,7 @@ __all__ = [
     "GuardResult",
     "GuardStats",
     "GuardTransport",
+    "Installation",
     "LatencySummary",
     "Origin",
     "ProbeError",
@@ -34,6 +36,8 @@ __all__ = [
     "StatsSnapshot",
     "__version__",
     "guard",
+    "install",
+    "uninstall",
 ]
 
 # Public classes present themselves as llama_guard.X (in reprs, tracebacks and docs), as httpx's do.

@@ -18,6 +18,7 @@ from ._decisions import ProgressTracker, is_streaming_response
 from ._exceptions import ProbeError, ProbeTimeout
 from ._log import logger
 from ._origins import Origin, OriginRegistry
+from ._ownership import mark_wrapped_by_a_guard
 from ._policy import GuardPolicy
 from ._pool_fix import KEEPALIVE_EXPIRY, cap_keepalive_expiry, fix_pool_race
 from ._probe import ProbeExchange, ProbeProtocolError
@@ -60,6 +61,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         fix_pool_race(self._transport)
         # A wrapped transport (guard(client)) usually has httpx's 5 s keep-alive expiry, llama-server's own timeout.
         cap_keepalive_expiry(self._transport)
+        # install() must not guard this transport's requests a second time.
+        mark_wrapped_by_a_guard(self._transport)
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
         # Origins whose server closed the connection after answering a probe: probing them cannot work.

@@ -59,6 +59,7 @@ SHARED_MODULES = (
     "_guard_error",
     "_log",
     "_origins",
+    "_ownership",
     "_policy",
     "_pool_fix",
     "_probe",

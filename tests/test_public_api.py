@@ -18,6 +18,7 @@ def test_exported_members() -> None:
             "GuardResult",
             "GuardStats",
             "GuardTransport",
+            "Installation",
             "LatencySummary",
             "Origin",
             "ProbeError",
@@ -25,6 +26,8 @@ def test_exported_members() -> None:
             "StatsSnapshot",
             "__version__",
             "guard",
+            "install",
+            "uninstall",
         ]
     )
     for name in llama_guard.__all__:

@@ -1,0 +1,297 @@
+"""`install()` / `uninstall()`: the process-wide guard, on real loopback sockets.
+
+httpx and httpx2 are both imported in this process already, so these tests cover "imported before install()";
+tests/test_install_subprocess.py covers the other import orders in fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import httpx2
+import pytest
+
+import llama_guard
+from llama_guard import GuardPolicy
+from llama_guard.testing import LlamaServerEmulator
+
+CHAT = "/v1/chat/completions"
+LIBRARIES = {"httpx": httpx, "httpx2": httpx2}
+FLAVORS = ("sync", "asyncio", "trio")
+TARGETS = [
+    (httpx.HTTPTransport, "handle_request"),
+    (httpx.AsyncHTTPTransport, "handle_async_request"),
+    (httpx2.HTTPTransport, "handle_request"),
+    (httpx2.AsyncHTTPTransport, "handle_async_request"),
+]
+ORIGINALS = {(cls, name): cls.__dict__[name] for cls, name in TARGETS}
+
+
+def chat(stream: bool) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": 4}
+
+
+@pytest.fixture(autouse=True)
+def uninstalled_afterwards() -> Iterator[None]:
+    yield
+    llama_guard.uninstall()
+    for (cls, name), original in ORIGINALS.items():
+        assert cls.__dict__[name] is original, f"{cls.__module__}.{cls.__name__}.{name} was left patched"
+
+
+@pytest.fixture
+def racy_server() -> Iterator[LlamaServerEmulator]:
+    """Streams close 60 ms after their final chunk: a pooled client reuses the dying connection in between."""
+    with LlamaServerEmulator(stream_close_delay=0.06, http_threads=16, pool_bug=False) as server:
+        yield server
+
+
+def alternate_streams(library: str, flavor: str, url: str, n: int, client: Any = None) -> list[Any]:
+    """``n`` chat completions, every other one streamed, over one pooled client; what each returned or raised."""
+    lib = LIBRARIES[library]
+    outcomes: list[Any] = []
+    if flavor == "sync":
+        with client if client is not None else lib.Client(base_url=url) as c:
+            for index in range(n):
+                try:
+                    with c.stream("POST", CHAT, json=chat(stream=index % 2 == 1)) as response:
+                        response.read()
+                        outcomes.append(response)
+                except lib.TransportError as exc:
+                    outcomes.append(exc)
+        return outcomes
+
+    async def scenario() -> None:
+        async with client if client is not None else lib.AsyncClient(base_url=url) as c:
+            for index in range(n):
+                try:
+                    async with c.stream("POST", CHAT, json=chat(stream=index % 2 == 1)) as response:
+                        await response.aread()
+                        outcomes.append(response)
+                except lib.TransportError as exc:
+                    outcomes.append(exc)
+
+    anyio.run(scenario, backend=flavor)
+    return outcomes
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_install_guards_plain_clients(library: str, flavor: str, racy_server: LlamaServerEmulator) -> None:
+    """A plain client (created before install()) loses requests after streams; installed, it loses none."""
+    lib = LIBRARIES[library]
+    before = lib.Client(base_url=racy_server.url) if flavor == "sync" else lib.AsyncClient(base_url=racy_server.url)
+    plain = alternate_streams(library, flavor, racy_server.url, 30)
+    assert sum(isinstance(o, Exception) for o in plain) >= 3, "the emulator should make plain clients lose requests"
+
+    installation = llama_guard.install(origins=[racy_server.url])
+    ran_before = racy_server.stats().completions_started
+    guarded = alternate_streams(library, flavor, racy_server.url, 30, client=before)
+    assert [o for o in guarded if isinstance(o, Exception)] == []
+    assert all(isinstance(o.extensions["llama_guard"], llama_guard.GuardResult) for o in guarded)
+    stats = installation.stats.snapshot()
+    assert stats.requests == 30
+    assert stats.stream_connections_closed == 15
+    assert racy_server.stats().completions_started - ran_before == 30  # none ran twice
+
+
+def test_auto_mode_learns_llama_servers_from_their_server_header(racy_server: LlamaServerEmulator) -> None:
+    installation = llama_guard.install()
+    assert installation.origins == "auto"
+    with httpx.Client(base_url=racy_server.url) as client:
+        first = client.get("/health")
+        assert "llama_guard" not in first.extensions  # unknown until it says who it is
+        second = client.get("/health")
+    assert isinstance(second.extensions["llama_guard"], llama_guard.GuardResult)
+    assert installation.known_origins() == {llama_guard.Origin.of("http", "127.0.0.1", racy_server.port)}
+    assert installation.stats.snapshot().requests == 1
+
+
+class RecordingServer:
+    """A plain HTTP/1.1 server that is not llama-server: records every byte it receives, per connection.
+
+    Answers each request with a fixed keep-alive response: chunked SSE when the body asks for a stream, JSON
+    otherwise. One thread per connection; requests are framed by Content-Length only (all this test sends).
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.received: list[bytes] = []
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                return
+            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self, connection: socket.socket) -> None:
+        with self._lock:
+            index = len(self.received)
+            self.received.append(b"")
+        buffer = b""
+        with connection:
+            while True:
+                head_end = buffer.find(b"\r\n\r\n")
+                if head_end < 0:
+                    data = connection.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                    with self._lock:
+                        self.received[index] += data
+                    continue
+                head = buffer[:head_end].decode("latin-1").lower()
+                length = 0
+                for line in head.split("\r\n")[1:]:
+                    name, _, value = line.partition(":")
+                    if name.strip() == "content-length":
+                        length = int(value)
+                while len(buffer) < head_end + 4 + length:
+                    data = connection.recv(65536)
+                    if not data:
+                        return
+                    buffer += data
+                    with self._lock:
+                        self.received[index] += data
+                body = buffer[head_end + 4 : head_end + 4 + length]
+                buffer = buffer[head_end + 4 + length :]
+                connection.sendall(self._answer(b'"stream": true' in body or b'"stream":true' in body))
+
+    @staticmethod
+    def _answer(stream: bool) -> bytes:
+        if stream:
+            events = b'data: {"n": 1}\n\n', b"data: [DONE]\n\n"
+            chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
+            head = b"HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: text/event-stream\r\n"
+            return head + b"Transfer-Encoding: chunked\r\nKeep-Alive: timeout=5\r\n\r\n" + chunks
+        body = b'{"ok": true}'
+        return b"HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            len(body),
+            body,
+        )
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def exchange_with(url: str) -> list[tuple[int, list[tuple[str, str]], bytes, list[str]]]:
+    """A few requests of every kind the guard looks at; what the client saw of each."""
+    seen = []
+    with httpx.Client(base_url=url, headers={"Authorization": "Bearer not-a-real-key"}) as client:
+        for method, path, body in [
+            ("GET", "/health", None),
+            ("POST", CHAT, chat(stream=True)),
+            ("POST", CHAT, chat(stream=False)),
+            ("POST", CHAT, chat(stream=True)),
+            ("GET", "/v1/models", None),
+        ]:
+            response = client.request(method, path, json=body)
+            seen.append(
+                (response.status_code, response.headers.multi_items(), response.content, sorted(response.extensions))
+            )
+    return seen
+
+
+@pytest.mark.parametrize("origins", [None, ["http://127.0.0.1:1"]], ids=["auto", "other-origin-listed"])
+def test_other_traffic_is_byte_for_byte_unchanged(origins: list[str] | None) -> None:
+    """Against a server that is not llama-server, the bytes on the wire and what the client sees are identical."""
+    server = RecordingServer()
+    try:
+        without = exchange_with(server.url)
+        wire_without = list(server.received)
+        server.received.clear()
+        installation = llama_guard.install(origins=origins)
+        with_install = exchange_with(server.url)
+        wire_with = list(server.received)
+    finally:
+        server.close()
+    assert len(wire_without) == 1, "one pooled connection, no probe"
+    assert wire_with == wire_without
+    assert with_install == without
+    if origins is None:
+        assert installation.known_origins() == frozenset()  # nginx is not llama.cpp: nothing learnt
+    assert installation.stats.snapshot().requests == 0
+
+
+def test_install_twice_is_harmless_and_a_new_policy_replaces_the_old(racy_server: LlamaServerEmulator) -> None:
+    first = llama_guard.install(origins=[racy_server.url])
+    assert llama_guard.install(origins=[racy_server.url]) is first
+    assert httpx.HTTPTransport.handle_request.__wrapped__ is ORIGINALS[(httpx.HTTPTransport, "handle_request")]
+    with httpx.Client(base_url=racy_server.url) as client:
+        result = client.get("/health").extensions["llama_guard"]
+    assert result.attempts == 1
+    assert first.stats.snapshot().requests == 1
+    assert first.stats.snapshot().probes_sent == 1  # one guard, one probe
+
+    second = llama_guard.install(origins=[racy_server.url], policy=GuardPolicy(probe=False))
+    assert second is not first
+    assert second.policy.probe is False
+    assert httpx.HTTPTransport.handle_request.__wrapped__ is ORIGINALS[(httpx.HTTPTransport, "handle_request")]
+    with httpx.Client(base_url=racy_server.url) as client:
+        client.get("/health")
+    assert second.stats.snapshot().requests == 1
+    assert second.stats.snapshot().probes_sent == 0
+
+
+def test_uninstall_restores_the_originals(racy_server: LlamaServerEmulator) -> None:
+    llama_guard.uninstall()  # harmless when nothing is installed
+    llama_guard.install(origins=[racy_server.url])
+    for cls, name in TARGETS:
+        assert cls.__dict__[name] is not ORIGINALS[(cls, name)]
+    with httpx.Client(base_url=racy_server.url) as client:
+        assert "llama_guard" in client.get("/health").extensions
+        llama_guard.uninstall()
+        for cls, name in TARGETS:
+            assert cls.__dict__[name] is ORIGINALS[(cls, name)]
+        assert "llama_guard" not in client.get("/health").extensions
+    assert llama_guard._install.installation() is None
+
+
+def test_an_explicitly_guarded_client_is_not_guarded_twice(racy_server: LlamaServerEmulator) -> None:
+    installation = llama_guard.install(origins=[racy_server.url])
+    with llama_guard.guard(httpx.Client(base_url=racy_server.url)) as client:
+        result = client.get("/health").extensions["llama_guard"]
+        own = client._transport.stats.snapshot()
+    assert result.attempts == 1
+    assert own.requests == 1
+    assert own.probes_sent == 1
+    assert installation.stats.snapshot().requests == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"origins": "all"}, "never every origin"),
+        ({"origins": ["ftp://x"]}, "'ftp://x' is not an origin"),
+        ({"origins": []}, "at least one origin"),
+        ({"policy": GuardPolicy(origins="auto")}, "install(origins=[...])"),
+    ],
+)
+def test_bad_arguments_say_what_is_accepted(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llama_guard.install(**kwargs)
+    assert llama_guard._install.installation() is None
+
+
+def test_a_policy_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=r"llama_guard\.GuardPolicy"):
+        llama_guard.install(policy={"probe": False})  # type: ignore[arg-type]
