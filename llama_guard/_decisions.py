@@ -69,9 +69,20 @@ _INFERENCE_PATHS: Final = (
 _INFERENCE_RE: Final = re.compile("(?:" + "|".join(re.escape(p) for p in _INFERENCE_PATHS) + ")/?$")
 
 
+_INFERENCE_CACHE: dict[str, bool] = {}
+_INFERENCE_CACHE_SIZE: Final = 1024  # an application uses a handful of paths; bounded for one that uses many
+
+
 def is_inference_path(path: str) -> bool:
     """True for llama-server endpoints that only compute (completions, embeddings, tokenize, ...)."""
-    return _INFERENCE_RE.search(path.lower()) is not None
+    # Asked for every request, and applications use few paths: remember the answers (a dict lookup instead of a
+    # lower-casing and a regular expression search).
+    known = _INFERENCE_CACHE.get(path)
+    if known is None:
+        known = _INFERENCE_RE.search(path.lower()) is not None
+        if len(_INFERENCE_CACHE) < _INFERENCE_CACHE_SIZE:
+            _INFERENCE_CACHE[path] = known
+    return known
 
 
 def wants_stream(body: bytes) -> bool:
@@ -92,6 +103,17 @@ def wants_stream(body: bytes) -> bool:
 
 def is_streaming_response(headers: Mapping[str, str]) -> bool:
     """A response llama-server writes through a chunked content provider: it closes the connection after it."""
+    items = getattr(headers, "_list", None)
+    if items is not None:
+        # httpx's and httpx2's Headers keep (raw name, lower-case name, value) triples: one pass over them costs
+        # less than two lookups, each of which walks the list too (this runs for every response).
+        for _, name, value in items:
+            if name == b"transfer-encoding":
+                if b"chunked" in value.lower():
+                    return True
+            elif name == b"content-type" and value[:17].lower() == b"text/event-stream":
+                return True
+        return False
     return "chunked" in headers.get("transfer-encoding", "").lower() or headers.get(
         "content-type", ""
     ).lower().startswith("text/event-stream")
@@ -154,20 +176,43 @@ _STEPS: Final = _steps()
 
 
 class ProgressTracker:
-    """Follows one attempt through httpcore trace event names (``connection.connect_tcp.complete``, ...)."""
+    """How far one attempt got, for the retry decision when it fails.
 
-    __slots__ = ("body_started", "new_connection", "progress", "saw_events")
+    Fed one of two ways:
 
-    def __init__(self) -> None:
+    - ``hooked=True``: by the guard's hooks on the pool's network backend (``_async_network.py``), which see each
+      new connection (`connecting`, then `connected` once it is up and probed) and nothing else: they cost
+      nothing on a pooled connection. A failure on a connection that was up is then taken as "request written":
+      httpcore writes as soon as it holds a connection, and nothing but the write and the read can fail after
+      that. This tells "nothing sent" only where it matters (connect and probe failures) and errs on the side of
+      "may have reached the server" everywhere else.
+    - otherwise: from httpcore's trace event names (`observe`), for a wrapped transport whose pool the guard
+      cannot reach.
+    """
+
+    __slots__ = ("body_started", "hooked", "new_connection", "progress", "saw_events")
+
+    def __init__(self, *, hooked: bool = False) -> None:
         self.progress = Progress.NOTHING
         self.new_connection = False
         self.body_started = False
         self.saw_events = False
+        self.hooked = hooked
 
     @property
     def reused_connection(self) -> bool:
         """The request went out on a pooled connection (no connect happened during this attempt)."""
+        if self.hooked:
+            return not self.new_connection
         return self.progress >= Progress.WRITING and not self.new_connection
+
+    def connecting(self) -> None:
+        self.saw_events = True
+        self.new_connection = True
+
+    def connected(self) -> None:
+        """The new connection is up, and probed when the probe is on: nothing of the request is written yet."""
+        self.progress = max(self.progress, Progress.CONNECTED)
 
     def observe(self, event: str) -> None:
         self.saw_events = True
@@ -182,8 +227,11 @@ class ProgressTracker:
             self.body_started = True
 
     def effective_progress(self) -> Progress:
-        """Progress for retry decisions: with no trace events (a transport that does not emit them) nothing is
-        known, so assume the request was written."""
+        """Progress for retry decisions, assuming the worst where it is not known: the request was written."""
+        if self.hooked:
+            # Only a connect or a probe that failed is known to have sent nothing.
+            connect_failed = self.new_connection and self.progress is Progress.NOTHING
+            return Progress.NOTHING if connect_failed else Progress.WRITTEN
         return self.progress if self.saw_events else Progress.WRITTEN
 
 

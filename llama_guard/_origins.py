@@ -62,7 +62,8 @@ class OriginRegistry:
 
     def __init__(self, setting: str | Sequence[str | Origin]) -> None:
         """``setting`` is a policy's normalised ``origins``: "all", "auto", or origins."""
-        self._all = setting == "all"
+        # Read for every request: a plain attribute rather than a property.
+        self.every_origin = setting == "all"
         self._auto = setting == "auto"
         self._known: set[Origin] = set()
         if not isinstance(setting, str):
@@ -75,7 +76,7 @@ class OriginRegistry:
         return self._auto
 
     def is_llama(self, origin: Origin) -> bool:
-        return self._all or origin in self._known
+        return self.every_origin or origin in self._known
 
     def learn(self, origin: Origin, headers: Mapping[str, str]) -> bool:
         """Record an origin that identified itself as llama-server; True if this response showed it."""

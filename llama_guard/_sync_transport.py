@@ -14,6 +14,8 @@ import httpcore
 import httpx
 import tenacity
 
+from ._sync_network import SyncGuardedBackend, track_connections
+from ._attempt import CURRENT_ATTEMPT, Attempt
 from ._decisions import ProgressTracker, is_streaming_response
 from ._exceptions import ProbeError, ProbeTimeout
 from ._log import logger
@@ -63,6 +65,11 @@ class GuardTransport(httpx.BaseTransport):
         cap_keepalive_expiry(self._transport)
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
+        # Attempts are followed, and new connections probed, by hooks on the pool's network backend. A transport
+        # whose pool is out of reach (a wrapper around one) is followed through httpcore's trace extension instead.
+        self._pool = getattr(self._transport, "_pool", None)
+        if not track_connections(self._pool):
+            self._pool = None
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
@@ -89,10 +96,14 @@ class GuardTransport(httpx.BaseTransport):
         self._transport.close()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
-        origin = origin_of(request.url)
-        if not self._origins.is_llama(origin):
-            return self._pass_through(request, origin)
-        run = RequestRun(request, origin, self._policy.merged(request.extensions.get(EXTENSION)), self.stats)
+        origin = None
+        if not self._origins.every_origin:
+            origin = origin_of(request.url)
+            if not self._origins.is_llama(origin):
+                return self._pass_through(request, origin)
+        overrides = request.extensions.get(EXTENSION)
+        policy = self._policy if overrides is None else self._policy.merged(overrides)
+        run = RequestRun(request, origin, policy, self.stats)
         try:
             # The first attempt runs bare: most requests succeed at once and should not pay for retry machinery.
             try:
@@ -135,9 +146,18 @@ class GuardTransport(httpx.BaseTransport):
         return response
 
     def _attempt(self, run: RequestRun) -> httpx.Response:
-        tracker = ProgressTracker()
-        probe_event = run.probe_event if run.origin not in self._unprobeable else None
-        trace = _SyncTracer(self, run, tracker, probe_event)
+        prober = self._probe if run.policy.probe else None
+        pool = self._pool
+        attempt = None
+        trace = None
+        if pool is not None:
+            attempt = Attempt(run, prober)
+            if not isinstance(pool._network_backend, SyncGuardedBackend):
+                track_connections(pool)  # someone replaced the pool's backend after we wrapped it
+        tracker = attempt if attempt is not None else ProgressTracker()
+        if attempt is None:
+            trace = _SyncTracer(run, tracker, prober)
+        token = CURRENT_ATTEMPT.set(attempt)
         try:
             response = self._transport.handle_request(run.begin_attempt(trace))
         except Exception as exc:
@@ -146,6 +166,7 @@ class GuardTransport(httpx.BaseTransport):
                 raise
             raise error from exc
         finally:
+            CURRENT_ATTEMPT.reset(token)
             run.end_attempt()
         run.headers_arrived(response)
         if run.may_retry:
@@ -161,10 +182,13 @@ class GuardTransport(httpx.BaseTransport):
     def _probe(self, stream: Any, run: RequestRun) -> None:
         """Ask a new connection for ``GET /health`` before the real request is written to it.
 
-        Runs inside httpcore's connect, from the ``trace`` extension, with the new network stream. On failure the
+        Runs inside httpcore's connect, from the pool's network backend (``_sync_network.py``) or the ``trace``
+        extension, with the new network stream. On failure the
         stream is closed here (httpcore has not stored it yet) and the error fails the connect, so the connection
         never enters the pool and the request is retried on a fresh one.
         """
+        if run.origin in self._unprobeable:
+            return
         ssl_object = stream.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
             return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
@@ -244,28 +268,27 @@ class GuardTransport(httpx.BaseTransport):
 
 
 class _SyncTracer:
-    """The ``trace`` extension of one attempt: follows its progress, probes a new connection, and passes every
-    event on to the caller's own trace callback. An object with slots rather than a closure: no reference cycle,
-    nothing for the garbage collector to do per request."""
+    """For a wrapped transport whose pool the guard cannot reach: the ``trace`` extension of one attempt, which
+    follows its progress, probes a new connection, and passes every event on to the caller's own trace callback."""
 
-    __slots__ = ("_direct", "_probe_event", "_run", "_tracker", "_transport", "_user_trace")
+    __slots__ = ("_direct", "_probe_event", "_prober", "_run", "_tracker", "_user_trace")
 
-    def __init__(
-        self, transport: GuardTransport, run: RequestRun, tracker: ProgressTracker, probe_event: str | None
-    ) -> None:
-        self._transport = transport
+    def __init__(self, run: RequestRun, tracker: ProgressTracker, prober: Any) -> None:
         self._run = run
         self._tracker = tracker
-        self._probe_event = probe_event
-        self._user_trace = run.user_trace
+        self._prober = prober
+        # The probe goes right after the connection is ready for HTTP: after TLS for https.
+        https = run.request.url.scheme == "https"
+        self._probe_event = "connection.start_tls.complete" if https else "connection.connect_tcp.complete"
+        self._user_trace = run.request.extensions.get("trace")
         self._direct = True  # False when httpcore connects to a proxy, not to the origin: nothing to probe then
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:
         self._tracker.observe(event)
         if event == "connection.connect_tcp.started":
             self._direct = (info.get("host"), info.get("port")) == (self._run.request.url.host, self._run.origin.port)
-        elif event == self._probe_event and self._direct:
-            self._transport._probe(info["return_value"], self._run)
+        elif event == self._probe_event and self._direct and self._prober is not None:
+            self._prober(info["return_value"], self._run)
         if self._user_trace is not None:
             self._user_trace(event, info)
 

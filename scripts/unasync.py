@@ -37,6 +37,8 @@ UNASYNC: Rules = (
     (r"\bAsyncGuardTransport\b", "GuardTransport"),
     (r"\b_AsyncDropAfterStream\b", "_SyncDropAfterStream"),
     (r"\b_AsyncTracer\b", "_SyncTracer"),
+    (r"\b_async_network\b", "_sync_network"),
+    (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),
     (r"\bhttpx\.AsyncHTTPTransport\b", "httpx.HTTPTransport"),
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),
@@ -55,6 +57,7 @@ UNASYNC: Rules = (
 # The httpx2 flavour: the same code with httpx2/httpcore2 imported under the names the source uses, living in
 # llama_guard/httpx2/ and importing the flavour-free (sans-I/O) modules from the parent package.
 SHARED_MODULES = (
+    "_attempt",
     "_decisions",
     "_guard_error",
     "_log",
@@ -72,7 +75,9 @@ SHARED_MODULES = (
 def httpx2_rules(source: Path) -> Rules:
     """The httpx2 substitutions that apply to ``source``: its imports of httpx/httpcore and of shared modules."""
     text = source.read_text()
-    rules: list[tuple[str, str]] = [(r"^import httpx$", "import httpx2 as httpx")]
+    rules: list[tuple[str, str]] = []
+    if re.search(r"^import httpx$", text, re.MULTILINE):
+        rules.append((r"^import httpx$", "import httpx2 as httpx"))
     if re.search(r"^import httpcore$", text, re.MULTILINE):
         rules.append((r"^import httpcore$", "import httpcore2 as httpcore"))
     for module in SHARED_MODULES:
@@ -80,6 +85,24 @@ def httpx2_rules(source: Path) -> Rules:
             rules.append((rf"^from \.{module} import", f"from ..{module} import"))
     return tuple(rules)
 
+
+# The connection hooks (``_async_network.py``): their own rules, as each rule must apply to its source.
+NETWORK_DOCSTRING: Rules = (
+    (
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_network.py`` from it "
+        r"\(and the httpx2\ntwins\), and CI checks that they are current\.",
+        "This file is generated from ``_async_network.py`` by ``scripts/unasync.py``.",
+    ),
+)
+NETWORK_UNASYNC: Rules = (
+    (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
+    (r"\b_AsyncProbeAfterTls\b", "_SyncProbeAfterTls"),
+    (r"\bhttpcore\.AsyncNetworkBackend\b", "httpcore.NetworkBackend"),
+    (r"\bhttpcore\.AsyncNetworkStream\b", "httpcore.NetworkStream"),
+    (r"\basync def\b", "def"),
+    (r"\bawait ", ""),
+    (r"\baclose\b", "close"),
+)
 
 HTTPX2_DOCSTRING: Rules = (
     (
@@ -125,6 +148,17 @@ JOBS: tuple[Job, ...] = (
         PACKAGE / "_async_transport.py",
         HTTPX2 / "_sync_transport.py",
         HTTPX2_DOCSTRING + UNASYNC + httpx2_rules(PACKAGE / "_async_transport.py"),
+    ),
+    Job(PACKAGE / "_async_network.py", PACKAGE / "_sync_network.py", NETWORK_DOCSTRING + NETWORK_UNASYNC),
+    Job(
+        PACKAGE / "_async_network.py",
+        HTTPX2 / "_async_network.py",
+        NETWORK_DOCSTRING + httpx2_rules(PACKAGE / "_async_network.py"),
+    ),
+    Job(
+        PACKAGE / "_async_network.py",
+        HTTPX2 / "_sync_network.py",
+        NETWORK_DOCSTRING + NETWORK_UNASYNC + httpx2_rules(PACKAGE / "_async_network.py"),
     ),
     Job(PACKAGE / "_run.py", HTTPX2 / "_run.py", httpx2_rules(PACKAGE / "_run.py")),
     Job(PACKAGE / "_exceptions.py", HTTPX2 / "_exceptions.py", httpx2_rules(PACKAGE / "_exceptions.py")),

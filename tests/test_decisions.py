@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+import httpx2
 import pytest
 
 from llama_guard._decisions import (
@@ -86,6 +88,10 @@ def test_inference_paths(path: str, expected: bool) -> None:
 )
 def test_streaming_response(headers: dict[str, str], expected: bool) -> None:
     assert is_streaming_response(headers) is expected
+    # The fast path over httpx's and httpx2's own header lists agrees, whatever the case of names and values.
+    shouted = {name.upper(): value.upper() for name, value in headers.items()}
+    assert is_streaming_response(httpx.Headers(shouted)) is expected
+    assert is_streaming_response(httpx2.Headers(headers)) is expected
 
 
 def test_classify_request() -> None:
@@ -272,3 +278,16 @@ def test_probe_deadlines() -> None:
     from llama_guard._probe import probe_deadline
 
     assert [probe_deadline(n, first=0.5, cap=4.0) for n in range(6)] == [0.5, 0.5, 1.0, 2.0, 4.0, 4.0]
+
+
+def test_a_tracker_fed_by_connection_hooks_assumes_the_worst_after_connecting() -> None:
+    """Hooks see connects only: a failure on a connection that was up may have sent the request."""
+    reused = ProgressTracker(hooked=True)
+    assert reused.reused_connection
+    assert reused.effective_progress() is Progress.WRITTEN
+    connecting = ProgressTracker(hooked=True)
+    connecting.connecting()
+    assert not connecting.reused_connection
+    assert connecting.effective_progress() is Progress.NOTHING  # connect or probe failed: nothing sent
+    connecting.connected()
+    assert connecting.effective_progress() is Progress.WRITTEN

@@ -347,3 +347,48 @@ def test_guard_lowers_the_keepalive_expiry_below_llama_servers() -> None:
     shorter = httpx.HTTPTransport(limits=httpx.Limits(keepalive_expiry=1.0))
     with GuardTransport(shorter):
         assert shorter._pool._keepalive_expiry == 1.0
+
+
+# -- how the guard follows attempts: hooks on the pool's backend, or the trace extension ----------------------------
+
+
+class Forwarding(httpx.BaseTransport):
+    """A transport that wraps another one, as caching or instrumentation layers do: the guard cannot reach the
+    pool inside, and follows its attempts through httpcore's trace extension instead."""
+
+    def __init__(self) -> None:
+        self.inner = httpx.HTTPTransport()
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@pytest.mark.parametrize("inner", ["pool", "wrapped", "backend-replaced"])
+def test_new_connections_are_probed_and_failures_judged_either_way(server: LlamaServerEmulator, inner: str) -> None:
+    """Both ways of following an attempt give the same protection: a new connection the server never reads is
+    given up after its probe, and a dead pooled connection is retried at once without the request running twice."""
+    transport = GuardTransport(Forwarding() if inner == "wrapped" else None, policy=GuardPolicy(probe_timeout=0.3))
+    pool = transport.transport._pool if inner != "wrapped" else None  # type: ignore[attr-defined]
+    if inner == "backend-replaced":  # as a test harness or a benchmark may do after building the transport
+        pool._network_backend = httpcore.SyncBackend()
+    with httpx.Client(transport=transport, base_url=server.url) as client:
+        server.inject(Fault.NEVER_ANSWER_ACCEPT, count=1, hold=5.0)
+        stalled = client.post(CHAT, json=BODY)
+        server.inject(Fault.HEADERS_NEVER, path=CHAT, count=1, hold=0.0)  # reads the request, closes unanswered
+        dead = client.post(CHAT, json=BODY)
+        stats = transport.stats.snapshot()
+    assert stalled.status_code == dead.status_code == 200
+    first, second = stalled.extensions["llama_guard"], dead.extensions["llama_guard"]
+    assert (first.attempts, first.reconnects) == (2, 1)
+    assert "ProbeTimeout on a new connection" in first.history[0]
+    assert second.attempts == 2
+    assert "on a reused connection (written)" in second.history[0]
+    assert stats.probes_failed == 1
+    seen = server.stats()
+    assert seen.requests[("POST", CHAT)] == 3  # the dropped one was read (never run) and sent again
+    assert seen.completions_started == 2
+    if pool is not None:
+        assert type(pool._network_backend).__name__ == "SyncGuardedBackend"

@@ -81,7 +81,7 @@ def failure_kind(exc: BaseException, tracker: ProgressTracker, *, deadline_appli
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return FailureKind.CONNECT
     if isinstance(exc, httpx.ReadTimeout):
-        waiting_for_headers = tracker.progress == Progress.WRITTEN
+        waiting_for_headers = tracker.effective_progress() == Progress.WRITTEN
         return (
             FailureKind.FIRST_BYTE_TIMEOUT if deadline_applied and waiting_for_headers else FailureKind.CALLER_TIMEOUT
         )

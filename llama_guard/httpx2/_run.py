@@ -35,6 +35,8 @@ __all__ = ["RequestRun", "replayable_body"]
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
 MAX_RETRIED_ERROR_BODY = 64 * 1024
+# The statuses a request may be retried on (verdict_for_status decides whether this one is).
+RETRIED_STATUSES = frozenset({429, 503})
 # The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
 STATUS_BACKOFF = 0.5
 
@@ -87,6 +89,7 @@ class RequestRun:
     """State of one guarded request across its attempts. Slotted: one is built for every request."""
 
     __slots__ = (
+        "_origin",
         "attempt_timeouts",
         "attempts",
         "body",
@@ -97,9 +100,7 @@ class RequestRun:
         "first_byte",
         "history",
         "kind",
-        "origin",
         "policy",
-        "probe_event",
         "reconnects",
         "request",
         "started",
@@ -107,28 +108,21 @@ class RequestRun:
         "user_extensions",
         "user_stream",
         "user_timeouts",
-        "user_trace",
         "verdict",
     )
 
-    def __init__(self, request: httpx.Request, origin: Origin, policy: GuardPolicy, stats: GuardStats) -> None:
+    def __init__(self, request: httpx.Request, origin: Origin | None, policy: GuardPolicy, stats: GuardStats) -> None:
         self.request = request
-        self.origin = origin
+        self._origin = origin
         self.policy = policy
         self.stats = stats
         self.body = replayable_body(request)
         self.kind: RequestKind = classify_request(request.method, request.url.path, self.body)
         self.close_connection = policy.stream_mode == "close" and self.kind.stream
-        # The probe goes right after the connection is ready for HTTP: after TLS for https.
-        self.probe_event: str | None = None
-        if policy.probe:
-            tls = request.url.scheme == "https"
-            self.probe_event = "connection.start_tls.complete" if tls else "connection.connect_tcp.complete"
         self.user_extensions = request.extensions
         self.user_stream = request.stream
-        self.user_trace: Callable[..., Any] | None = request.extensions.get("trace")
         self.user_timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
-        self.attempt_timeouts: dict[str, float | None] = {}
+        self.attempt_timeouts: dict[str, float | None] = self.user_timeouts
         self.started = time.monotonic()
         self.attempts = 0
         self.reconnects = 0
@@ -138,6 +132,14 @@ class RequestRun:
         self.deadline_applied = False
         self.first_byte: float | None = None
         self.closed_by_header = False
+
+    @property
+    def origin(self) -> Origin:
+        """Where the request goes (worked out only when needed: with ``origins="all"`` the happy path never is)."""
+        if self._origin is None:
+            url = self.request.url
+            self._origin = Origin.of(url.scheme, url.host, url.port)
+        return self._origin
 
     @property
     def description(self) -> str:
@@ -156,25 +158,29 @@ class RequestRun:
 
     # -- building an attempt -------------------------------------------------------------------------------------
 
-    def begin_attempt(self, trace: Callable[..., Any]) -> httpx.Request:
-        """The request to send for one attempt: the guard's trace and deadline in its extensions, and
-        ``Connection: close`` for llama streams. The caller's request object lends its extensions attribute to
-        the attempt (copying the whole request would cost more than the rest of the guard); `end_attempt()`
-        gives the caller's back."""
+    def begin_attempt(self, trace: Callable[..., Any] | None) -> httpx.Request:
+        """The request to send for one attempt: ``Connection: close`` for llama streams, and in its extensions
+        the first-byte deadline and the guard's ``trace`` callback (only for a transport whose pool the guard
+        cannot reach). The caller's request object lends its extensions attribute to the attempt (copying the
+        whole request would cost more than the rest of the guard); `end_attempt()` gives the caller's back."""
         self.attempts += 1
         self.verdict = None
-        extensions = dict(self.user_extensions)
-        extensions.pop(EXTENSION, None)
-        extensions["trace"] = trace
-        timeouts = dict(self.user_timeouts)
+        extensions = self.user_extensions
         deadline = self.policy.first_byte_timeout
-        caller_read = timeouts.get("read")
+        caller_read = self.user_timeouts.get("read")
         # The first-byte deadline rides on httpcore's read timeout, which it looks up when it starts reading the
         # headers, and again when it starts reading the body: restored in headers_arrived(), it never cuts a body.
         self.deadline_applied = deadline is not None and (caller_read is None or deadline < caller_read)
-        if self.deadline_applied:
-            timeouts["read"] = deadline
-        extensions["timeout"] = self.attempt_timeouts = timeouts
+        if trace is not None or self.deadline_applied or EXTENSION in extensions:
+            # Only then a copy: most requests go out with the caller's own extensions, untouched.
+            extensions = dict(extensions)
+            extensions.pop(EXTENSION, None)
+            if trace is not None:
+                extensions["trace"] = trace
+            if self.deadline_applied:
+                timeouts = dict(self.user_timeouts)
+                timeouts["read"] = deadline
+                extensions["timeout"] = self.attempt_timeouts = timeouts
         stream = self.user_stream if self.body is None else ReplayableBody(self.body)
         if self.close_connection:
             headers = self.request.headers.copy()
@@ -247,6 +253,8 @@ class RequestRun:
                 timeouts["read"] = self.user_timeouts["read"]
             else:
                 del timeouts["read"]
+        if response.status_code not in RETRIED_STATUSES:
+            return  # the usual case, decided without a call
         verdict = verdict_for_status(
             response.status_code,
             response.headers,
