@@ -146,7 +146,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         return response
 
     async def _attempt(self, run: RequestRun) -> httpx.Response:
-        prober = self._probe if run.policy.probe else None
+        prober = self._probe if run.policy.probe and not run.server_reads_connections else None
         pool = self._pool
         attempt = None
         trace = None
@@ -231,8 +231,11 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                     "probing disabled for this origin",
                     run.origin,
                 )
-            # Otherwise (llama-server answers 503 with Connection: close while it loads a model) only this
-            # connection is lost; the next attempt probes a new one.
+            # Otherwise llama-server answers 503 with Connection: close while it loads a model: only this
+            # connection is lost. The server is reading new connections, so this request's next attempts go
+            # unprobed: the request itself then gets the server's answer (a 503 "Loading model", retried on
+            # its own terms, and handed to the caller if it lasts) instead of failing probe after probe.
+            run.server_reads_connections = True
             raise ProbeError(
                 f"{run.origin} answered GET /health with {answer.status} and closed the connection",
                 request=run.request,

@@ -168,7 +168,33 @@ def test_probe_answered_503_while_loading_keeps_probing(server: LlamaServerEmula
     assert response.status_code == streamed.status_code == after.status_code == 200
     assert response.extensions["llama_guard"].attempts == 2
     assert "answered GET /health with 503" in response.extensions["llama_guard"].history[0]
-    assert stats.probes_sent == 3  # the failed one, the retry's, and the new connection's after the stream
+    # The failed one, none for the retry (the server had just answered), the new connection's after the stream.
+    assert stats.probes_sent == 2
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_server_loading_its_model_answers_the_request_itself(flavor: str) -> None:
+    """llama-server loading a model answers everything, /health included, with 503 and closes. The probes fail,
+    but the caller gets the server's own 503 "Loading model" answer once attempts run out, not a probe error."""
+
+    async def scenario(url: str) -> Any:
+        policy = GuardPolicy(max_attempts=3, backoff=0.0, backoff_max=0.05, max_retry_time=10)
+        driver = make_driver(flavor, guarded=True, base_url=url, policy=policy)
+        try:
+            return await driver.request("POST", CHAT, json=BODY)
+        finally:
+            await close_driver(driver)
+
+    with LlamaServerEmulator(loading=True) as loading:
+        outcome = run_scenario(flavor, scenario, loading.url)
+        seen = loading.stats()
+    assert outcome.error is None
+    assert outcome.status == 503
+    assert b"Loading model" in outcome.body
+    assert outcome.result is not None
+    assert outcome.result.attempts == 3
+    assert seen.requests[("GET", "/health")] == 1  # only the first attempt probed
+    assert seen.requests[("POST", CHAT)] == 2
 
 
 def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog: pytest.LogCaptureFixture) -> None:

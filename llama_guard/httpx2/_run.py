@@ -103,6 +103,7 @@ class RequestRun:
         "policy",
         "reconnects",
         "request",
+        "server_reads_connections",
         "started",
         "stats",
         "user_extensions",
@@ -127,6 +128,7 @@ class RequestRun:
         self.attempts = 0
         self.reconnects = 0
         self.failed_probes = 0
+        self.server_reads_connections = False  # a probe got an HTTP answer: later attempts need no probe
         self.history: list[str] = []
         self.verdict: Verdict | None = None
         self.deadline_applied = False
