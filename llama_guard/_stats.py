@@ -49,12 +49,19 @@ class LatencyHistogram:
         self._total = 0.0
 
     def record(self, seconds: float) -> None:
-        seconds = max(seconds, 0.0)
-        index = 0 if seconds <= _MIN_SECONDS else int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
-        self._buckets[min(index, _BUCKETS - 1)] += 1
+        # Once per request: comparisons rather than max()/min() calls.
+        if seconds <= _MIN_SECONDS:
+            seconds = max(seconds, 0.0)
+            index = 0
+        else:
+            index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
+            if index >= _BUCKETS:
+                index = _BUCKETS - 1
+        self._buckets[index] += 1
         self._count += 1
         self._total += seconds
-        self._max = max(self._max, seconds)
+        if seconds > self._max:
+            self._max = seconds
 
     def percentile(self, percent: float) -> float:
         """The smallest bucket bound below which ``percent`` % of the samples fall (0.0 with no samples)."""
