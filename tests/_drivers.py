@@ -1,16 +1,27 @@
-"""One scenario, three ways to run it: a sync client, an asyncio client, a trio client.
+"""One scenario, three ways to run it: a sync client, an asyncio client, a trio client; with httpx or httpx2.
 
 A test writes its scenario once as a coroutine over `Driver`; `run_scenario(flavor, ...)` runs it with a real
-`httpx.Client` (blocking calls, the sync transport), or a real `httpx.AsyncClient` under asyncio or trio. No
-part of the network is mocked: drivers talk to the emulator on 127.0.0.1.
+`httpx.Client` (blocking calls, the sync transport), or a real `httpx.AsyncClient` under asyncio or trio.
+`make_driver(..., library="httpx2")` builds the httpx2 twins with `llama_guard.httpx2`'s transports. No part of
+the network is mocked: drivers talk to the emulator on 127.0.0.1.
+
+Also here: `run_bounded()` (a scenario under a hard deadline, so a hang fails the test instead of CI), and what
+the fault and cancellation tests inspect afterwards: `pool_problems()` (connections a pool keeps in a state other
+than idle-and-healthy or closed) and `client_sockets()` (this process's open sockets connected to a port).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import os
 import socket
+import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import anyio
@@ -20,6 +31,27 @@ import llama_guard
 from llama_guard.testing import async_burst_transport, burst_transport
 
 FLAVORS = ("sync", "asyncio", "trio")
+LIBRARIES = ("httpx", "httpx2")
+
+
+def library(name: str) -> ModuleType:
+    """The client library: ``httpx`` or ``httpx2``."""
+    if name == "httpx":
+        return httpx
+    if name == "httpx2":
+        import httpx2
+
+        return httpx2
+    raise ValueError(f"unknown library {name!r}")
+
+
+def guard_module(name: str) -> ModuleType:
+    """The guard's flavour for a client library: ``llama_guard`` or ``llama_guard.httpx2``."""
+    if name == "httpx":
+        return llama_guard
+    if name == "httpx2":
+        return importlib.import_module("llama_guard.httpx2")
+    raise ValueError(f"unknown library {name!r}")
 
 
 @dataclass
@@ -31,6 +63,7 @@ class Outcome:
     result: llama_guard.GuardResult | None = None
     error: BaseException | None = None
     first_byte: float = 0.0
+    elapsed: float = 0.0  # until the body was read whole, or the error
 
     @property
     def ok(self) -> bool:
@@ -43,8 +76,9 @@ class Driver:
 
     flavor: str
     guarded: bool
-    client: httpx.Client | httpx.AsyncClient
+    client: Any  # httpx.Client | httpx.AsyncClient, or their httpx2 twins
     outcomes: list[Outcome] = field(default_factory=list)
+    library: str = "httpx"
 
     @property
     def transport(self) -> Any:
@@ -69,7 +103,7 @@ class Driver:
         outcome = Outcome()
         started = time.monotonic()
         try:
-            if isinstance(self.client, httpx.Client):
+            if self.flavor == "sync":
                 request = self.client.build_request(method, url, json=json, content=content, extensions=extensions)
                 response = self.client.send(request, stream=stream)
                 outcome.first_byte = time.monotonic() - started
@@ -87,14 +121,22 @@ class Driver:
                     await response.aclose()
             outcome.status = response.status_code
             outcome.result = response.extensions.get("llama_guard")
-        except httpx.HTTPError as exc:
+        except library(self.library).HTTPError as exc:
             outcome.error = exc
+        outcome.elapsed = time.monotonic() - started
         self.outcomes.append(outcome)
         return outcome
 
     @property
     def errors(self) -> list[BaseException]:
         return [o.error for o in self.outcomes if o.error is not None]
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    # One context for every driver: building one (and loading the system's certificates into it) costs about
+    # 0.1 s, per client, for clients that only ever speak plain HTTP to the emulator.
+    return ssl.create_default_context()
 
 
 def make_driver(
@@ -106,18 +148,31 @@ def make_driver(
     limits: httpx.Limits | None = None,
     timeout: float = 10.0,
     preopened: list[socket.socket] | None = None,
+    library: str = "httpx",
 ) -> Driver:
-    """A client of one flavour; with ``preopened`` sockets, its first new connections are those (a burst)."""
+    """A client of one flavour; with ``preopened`` sockets, its first new connections are those (a burst).
+
+    ``library="httpx2"`` builds an httpx2 client (guarded by `llama_guard.httpx2`); ``limits`` are then httpx2's
+    (an `httpx.Limits` is converted) and ``preopened`` is not supported.
+    """
+    if library != "httpx":
+        return _make_other_driver(
+            flavor, guarded=guarded, base_url=base_url, policy=policy, limits=limits, timeout=timeout, name=library
+        )
     limits = limits or httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=4.0)
     client: httpx.Client | httpx.AsyncClient
     inner: Any
     if flavor == "sync":
-        inner = httpx.HTTPTransport(limits=limits) if preopened is None else burst_transport(preopened, limits=limits)
+        inner = (
+            httpx.HTTPTransport(limits=limits, verify=_tls_context())
+            if preopened is None
+            else burst_transport(preopened, limits=limits)
+        )
         transport = llama_guard.GuardTransport(inner, policy=policy) if guarded else inner
         client = httpx.Client(transport=transport, base_url=base_url, timeout=timeout)
     else:
         inner = (
-            httpx.AsyncHTTPTransport(limits=limits)
+            httpx.AsyncHTTPTransport(limits=limits, verify=_tls_context())
             if preopened is None
             else async_burst_transport(preopened, limits=limits)
         )
@@ -126,17 +181,154 @@ def make_driver(
     return Driver(flavor, guarded, client)
 
 
+def _make_other_driver(
+    flavor: str,
+    *,
+    guarded: bool,
+    base_url: str,
+    policy: llama_guard.GuardPolicy | None,
+    limits: Any,
+    timeout: float,
+    name: str,
+) -> Driver:
+    lib, guards = library(name), guard_module(name)
+    if limits is None:
+        limits = lib.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=4.0)
+    elif isinstance(limits, httpx.Limits):
+        limits = lib.Limits(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+        )
+    if flavor == "sync":
+        inner = lib.HTTPTransport(limits=limits, verify=_tls_context())
+        transport = guards.GuardTransport(inner, policy=policy) if guarded else inner
+        client = lib.Client(transport=transport, base_url=base_url, timeout=timeout)
+    else:
+        inner = lib.AsyncHTTPTransport(limits=limits, verify=_tls_context())
+        transport = guards.AsyncGuardTransport(inner, policy=policy) if guarded else inner
+        client = lib.AsyncClient(transport=transport, base_url=base_url, timeout=timeout)
+    return Driver(flavor, guarded, client, library=name)
+
+
 async def close_driver(driver: Driver) -> None:
-    if isinstance(driver.client, httpx.Client):
+    if driver.flavor == "sync":
         driver.client.close()
     else:
         await driver.client.aclose()
+
+
+def pool_of(driver: Driver) -> Any:
+    """The httpcore (or httpcore2) connection pool under a driver's client, guarded or plain."""
+    transport = driver.client._transport
+    if driver.guarded:
+        transport = transport.transport
+    return transport._pool
+
+
+def pool_problems(driver: Driver) -> list[str]:
+    """What the pool keeps in a state other than "closed" or "idle and healthy": connections still active (a
+    response nobody will finish), idle ones that are readable (a stray byte or an end of file waiting), and
+    requests still registered. Empty when the pool is sound."""
+    pool = pool_of(driver)
+    problems = [f"request still in the pool: {request!r}" for request in list(pool._requests)]
+    for connection in list(pool.connections):
+        if connection.is_closed():
+            continue
+        if not connection.is_idle():
+            problems.append(f"not idle: {connection!r}")
+        elif connection.has_expired():
+            problems.append(f"idle, but expired or readable: {connection!r}")
+    return problems
+
+
+def _tcp_table() -> dict[str, tuple[int, int]]:
+    """Socket inode -> (local port, remote port), for every TCP socket of the machine (Linux /proc)."""
+    table: dict[str, tuple[int, int]] = {}
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(name) as lines:
+                next(lines)
+                for line in lines:
+                    fields = line.split()
+                    local, remote, inode = fields[1], fields[2], fields[9]
+                    table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
+        except FileNotFoundError:
+            continue
+    return table
+
+
+def client_sockets(port: int) -> int:
+    """How many of this process's file descriptors are TCP sockets connected to ``port`` (client ends of
+    connections to the emulator; the emulator's own ends have ``port`` as their local port)."""
+    table = _tcp_table()
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor, among others)
+            continue
+        if target.startswith("socket:["):
+            ports = table.get(target[8:-1])
+            if ports is not None and ports[1] == port:
+                count += 1
+    return count
+
+
+def open_fds() -> int:
+    """This process's open file descriptors."""
+    return len(os.listdir("/proc/self/fd")) - 1  # less the listing's own
+
+
+async def wait_until(predicate: Callable[[], bool], *, timeout: float, what: str, interval: float = 0.01) -> None:
+    """Poll ``predicate`` (on the running event loop, or blocking for a sync scenario) until true; AssertionError
+    naming ``what`` when ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        await anyio.sleep(interval)
 
 
 def run_scenario(flavor: str, scenario: Callable[..., Awaitable[Any]], *args: Any) -> Any:
     """Run ``scenario(*args)`` under the event loop the flavour needs (sync drivers run under asyncio, blocking)."""
     backend = "trio" if flavor == "trio" else "asyncio"
     return anyio.run(scenario, *args, backend=backend)
+
+
+class Hang(AssertionError):
+    """A scenario that did not finish within its hard deadline."""
+
+
+def run_bounded(
+    flavor: str,
+    scenario: Callable[..., Awaitable[Any]],
+    *args: Any,
+    deadline: float,
+    on_hang: Callable[[], None] | None = None,
+) -> Any:
+    """`run_scenario` in a thread under a hard deadline: a scenario still running after ``deadline`` seconds fails
+    with `Hang` instead of hanging the test run. ``on_hang`` (typically: stop the emulator, which unblocks every
+    socket) runs first so that the thread can unwind."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = run_scenario(flavor, scenario, *args)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"scenario-{flavor}", daemon=True)
+    thread.start()
+    thread.join(deadline)
+    if thread.is_alive():
+        if on_hang is not None:
+            on_hang()
+        thread.join(10.0)
+        raise Hang(f"the {flavor} scenario did not finish within {deadline:g} s")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
 
 
 async def gather(flavor: str, jobs: list[Callable[[], Awaitable[Any]]]) -> None:

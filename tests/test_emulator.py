@@ -12,7 +12,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import h11
 import httpx
@@ -698,3 +698,113 @@ def test_stats_reset_and_wait_for_timeout(emu: LlamaServerEmulator) -> None:
     assert after.connections_accepted == 0
     with pytest.raises(TimeoutError, match="condition not met"):
         emu.wait_for(lambda s: s.total_requests > 0, timeout=0.1)
+
+
+# -- READ_LATE, held connections, a non-inference POST -----------------------------------------------
+
+
+def poll(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    """Wait (bounded) until ``predicate()`` is true."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_read_late_holds_the_request_unread_then_serves_it(emu: LlamaServerEmulator) -> None:
+    """The pool bug's effect on one connection: its request sits unread, then is read and answered all the same."""
+    rule = emu.inject(Fault.READ_LATE, after=0.4)
+    with connect(emu) as sock:
+        started = time.monotonic()
+        sock.sendall(chat(stream=False, max_tokens=2))
+        assert rule.wait_triggered()
+        poll(lambda: any(h.unread_bytes for h in emu.held_connections()))
+        held = emu.held_connections()
+        assert held[0].fault is Fault.READ_LATE
+        assert held[0].peer == sock.getsockname()
+        assert held[0].releases_in is not None
+        assert held[0].releases_in <= 0.4
+        assert emu.stats().total_requests == 0  # not read yet
+        response, body = read_response(sock)
+        waited = time.monotonic() - started
+    assert response.status_code == 200
+    assert json.loads(body)["choices"][0]["message"]["content"] == generated_text(2)
+    assert waited >= 0.35
+    assert emu.held_connections() == []
+    stats = emu.wait_for(lambda s: s.completions_finished == 1)
+    assert stats.faults_triggered == {Fault.READ_LATE: 1}
+    assert stats.max_unread_wait >= 0.35  # the server's own account: the request waited unread
+
+
+def test_read_late_runs_a_request_its_client_gave_up_on(emu: LlamaServerEmulator) -> None:
+    """What makes a blind retry dangerous: a request written to a connection read late runs although its client
+    closed the connection long before."""
+    emu.inject(Fault.READ_LATE, after=0.3)
+    with connect(emu) as sock:
+        sock.sendall(chat(stream=False, max_tokens=2))
+        poll(lambda: any(h.unread_bytes for h in emu.held_connections()))
+    stats = emu.wait_for(lambda s: s.completions_started == 1 and s.connections_closed == 1)
+    assert stats.requests_to(CHAT) == 1
+
+
+def test_never_answer_accept_shows_as_held_until_its_hold_ends(emu: LlamaServerEmulator) -> None:
+    emu.inject(Fault.NEVER_ANSWER_ACCEPT, hold=0.3)
+    with connect(emu) as sock:
+        sock.sendall(HEALTH)
+        poll(lambda: any(h.unread_bytes for h in emu.held_connections()))
+        held = emu.held_connections()
+        assert held[0].fault is Fault.NEVER_ANSWER_ACCEPT
+        assert held[0].unread_bytes == len(HEALTH)
+        assert read_until_end(sock, timeout=3)[1] in ("eof", "reset")
+    assert emu.held_connections() == []
+    assert emu.stats().total_requests == 0
+
+
+def test_held_connections_are_closed_by_stop() -> None:
+    server = LlamaServerEmulator().start()
+    try:
+        server.inject(Fault.READ_LATE, after=60)
+        server.inject(Fault.NEVER_ANSWER_ACCEPT)
+        late, never = connect(server), connect(server)
+        poll(lambda: len(server.held_connections()) == 2)
+        assert [held.fault for held in server.held_connections()] == [Fault.READ_LATE, Fault.NEVER_ANSWER_ACCEPT]
+        assert server.held_connections()[1].releases_in is None
+    finally:
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 2.0
+    for sock in (late, never):
+        with sock:
+            assert read_until_end(sock)[1] in ("eof", "reset")
+    assert server.stats().total_requests == 0
+    assert server.held_connections() == []
+
+
+def test_read_late_validation(emu: LlamaServerEmulator) -> None:
+    with pytest.raises(ValueError, match=r"after must be seconds in \[0, 3600\]"):
+        emu.inject(Fault.READ_LATE, after=None)
+    with pytest.raises(ValueError, match="path and method must be None"):
+        emu.inject(Fault.READ_LATE, path=CHAT)
+    with pytest.raises(ValueError, match="does not take hold; accepted: after"):
+        emu.inject(Fault.READ_LATE, hold=1)
+
+
+def test_lora_adapters_a_non_inference_endpoint(emu: LlamaServerEmulator) -> None:
+    """GET /lora-adapters lists none; POST /lora-adapters (changes server state) accepts only [] with none loaded."""
+    with connect(emu) as sock:
+        sock.sendall(b"GET /lora-adapters HTTP/1.1\r\nHost: emu\r\n\r\n")
+        response, body = read_response(sock)
+        assert (response.status_code, json.loads(body)) == (200, [])
+        sock.sendall(post("/lora-adapters", []))
+        response, body = read_response(sock)
+        assert (response.status_code, json.loads(body)) == (200, {"success": True})
+        assert headers_of(response)["keep-alive"] == "timeout=5, max=100"
+    for payload, message in (({"id": 0}, "Request body must be an array"), ([{"id": 0}], "invalid adapter id")):
+        with connect(emu) as sock:
+            sock.sendall(post("/lora-adapters", payload))
+            response, body = read_response(sock)
+        assert response.status_code == 400
+        assert json.loads(body)["error"]["message"] == message
+    stats = emu.stats()
+    assert stats.requests_to("/lora-adapters", "POST") == 3
+    assert stats.completions_started == 0

@@ -23,7 +23,7 @@ Example::
 
 from ._burst import AsyncPreopenedBackend, PreopenedBackend, async_burst_transport, burst_transport, open_burst
 from ._config import EmulatorConfig
-from ._emulator import LlamaServerEmulator
+from ._emulator import HeldConnection, LlamaServerEmulator
 from ._faults import Fault, FaultRule
 from ._real_server import LLAMA_SERVER_BUILD, RealLlamaServer, RealServerError, find_llama_server, free_port
 from ._responses import generated_text
@@ -47,6 +47,7 @@ __all__ = [
     "EmulatorStats",
     "Fault",
     "FaultRule",
+    "HeldConnection",
     "LlamaServerEmulator",
     "generated_text",
 ]

@@ -40,7 +40,7 @@ import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from ._config import EmulatorConfig
 from ._faults import Fault, FaultInjector, FaultRule
@@ -50,13 +50,32 @@ from ._slots import SlotPool
 from ._stats import ConnectionWait, EmulatorStats, LiveView, StatsRecorder
 from ._wire import Wire, pending_bytes, reset_socket
 
-__all__ = ["LlamaServerEmulator"]
+__all__ = ["HeldConnection", "LlamaServerEmulator"]
 
 _E = TypeVar("_E", bound="LlamaServerEmulator")
 
 LISTEN_BACKLOG = 128
 #: How long ``stop()`` waits for all threads by default.
 STOP_TIMEOUT = 5.0
+
+
+class HeldConnection(NamedTuple):
+    """A connection that a fault on accept holds unread (``NEVER_ANSWER_ACCEPT``, ``READ_LATE``)."""
+
+    fault: Fault
+    #: The client's address, as the server sees it (the client's ``getsockname()``).
+    peer: tuple[Any, ...]
+    #: Bytes the client sent that sit unread in the kernel's receive queue.
+    unread_bytes: int
+    #: Seconds until the fault lets go of it (``READ_LATE``: served; else closed); None for never (until stop).
+    releases_in: float | None
+
+
+class _Parked(NamedTuple):
+    sock: socket.socket
+    fault: Fault
+    deadline: float | None
+    accepted_at: float
 
 
 class _QueuedConnection:
@@ -176,7 +195,8 @@ class LlamaServerEmulator:
         self._conn_ids = itertools.count(1)
         self._queued: dict[int, _QueuedConnection] = {}
         self._active: dict[int, Wire] = {}
-        self._parked: dict[int, tuple[socket.socket, float | None]] = {}
+        # Connections held unread by a fault on accept; changed by the accept thread only, under _conn_lock.
+        self._parked: dict[int, _Parked] = {}
         self._stragglers: list[threading.Thread] = []
         self._ctx = ServerContext(
             config=self._config,
@@ -373,6 +393,25 @@ class LlamaServerEmulator:
     def pending_faults(self) -> list[FaultRule]:
         return self._faults.pending()
 
+    def held_connections(self) -> list[HeldConnection]:
+        """Connections that ``NEVER_ANSWER_ACCEPT`` or ``READ_LATE`` holds unread now, oldest first.
+
+        ``unread_bytes`` shows whether the client has written to one yet (a probe, a request): a test can wait for
+        that instead of guessing how long the client takes.
+        """
+        now = time.monotonic()
+        with self._conn_lock:
+            parked = sorted(self._parked.values(), key=lambda p: p.accepted_at)
+            held = []
+            for item in parked:
+                try:
+                    peer = tuple(item.sock.getpeername())
+                except OSError:  # the client reset it meanwhile
+                    peer = ()
+                releases_in = None if item.deadline is None else max(0.0, item.deadline - now)
+                held.append(HeldConnection(item.fault, peer, pending_bytes(item.sock), releases_in))
+        return held
+
     # -- statistics -----------------------------------------------------------------------
 
     def stats(self) -> EmulatorStats:
@@ -447,10 +486,13 @@ class LlamaServerEmulator:
                     self._stats.error(f"accept: {traceback.format_exc()}")
                     sock.close()
         finally:
-            for sock, _deadline in self._parked.values():
-                sock.close()
+            with self._conn_lock:
+                parked = list(self._parked.values())
+                self._parked.clear()
+                for item in parked:
+                    item.sock.close()
+            for _ in parked:
                 self._stats.connection_closed()
-            self._parked.clear()
             listener.close()
 
     def _on_accept(self, sock: socket.socket) -> None:
@@ -468,32 +510,51 @@ class LlamaServerEmulator:
                 reset_socket(sock)
                 self._stats.connection_closed()
                 return
-            hold = rule.params["hold"]
-            deadline = None if hold is None else time.monotonic() + float(hold)
-            self._parked[conn_id] = (sock, deadline)
+            now = time.monotonic()
+            wait = rule.params["after"] if rule.fault is Fault.READ_LATE else rule.params["hold"]
+            deadline = None if wait is None else now + float(wait)
+            with self._conn_lock:
+                self._parked[conn_id] = _Parked(sock, rule.fault, deadline, now)
             return
-        job = _QueuedConnection(self, conn_id, sock)
+        self._enqueue(_QueuedConnection(self, conn_id, sock))
+
+    def _enqueue(self, job: _QueuedConnection) -> None:
+        """Hand an accepted connection to the pool (which may leave it waiting, unread)."""
         with self._conn_lock:
-            self._queued[conn_id] = job
+            self._queued[job.conn_id] = job
         assert self._pool is not None
         if not self._pool.enqueue(job):
             with self._conn_lock:
-                self._queued.pop(conn_id, None)
-            sock.close()
+                self._queued.pop(job.conn_id, None)
+                job.sock.close()
             self._stats.connection_closed()
 
     def _park_timeout(self) -> float | None:
-        deadlines = [d for _, d in self._parked.values() if d is not None]
+        with self._conn_lock:
+            deadlines = [p.deadline for p in self._parked.values() if p.deadline is not None]
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
 
     def _expire_parked(self) -> None:
         now = time.monotonic()
-        for conn_id, (sock, deadline) in list(self._parked.items()):
-            if deadline is not None and deadline <= now:
+        with self._conn_lock:
+            expired = [
+                (conn_id, item)
+                for conn_id, item in self._parked.items()
+                if item.deadline is not None and item.deadline <= now
+            ]
+            for conn_id, _item in expired:
                 del self._parked[conn_id]
-                sock.close()
+        for conn_id, item in expired:
+            if item.fault is Fault.READ_LATE:
+                # The pool finally gets to it: whatever the client wrote meanwhile is read and served now.
+                job = _QueuedConnection(self, conn_id, item.sock)
+                job.accepted_at = item.accepted_at
+                self._enqueue(job)
+            else:
+                with self._conn_lock:
+                    item.sock.close()
                 self._stats.connection_closed()
 
     # -- pool jobs ------------------------------------------------------------------------

@@ -9,7 +9,7 @@ Faults act at one of three moments, mirroring where a real server or network
 can fail:
 
 * on accept, before anything is read (``RESET_BEFORE_READ``,
-  ``NEVER_ANSWER_ACCEPT``); these cannot match a path;
+  ``NEVER_ANSWER_ACCEPT``, ``READ_LATE``); these cannot match a path;
 * instead of the answer, once the request was read (``HEADERS_NEVER``,
   ``GARBAGE``, ``STATUS_503``, ``STATUS_429``); no inference runs;
 * while the real answer is written (``RESET_AFTER_HEADERS``,
@@ -38,6 +38,11 @@ class Fault(enum.Enum):
     RESET_BEFORE_READ: accept, read nothing, RST (SO_LINGER 0).
     NEVER_ANSWER_ACCEPT: accept, never read, keep the socket open
         [hold: seconds or None = until stop()].
+    READ_LATE: accept, leave the connection unread for ``after`` seconds, as
+        the pool bug of builds before b11737 leaves a connection of a burst
+        until another connection closes; then serve it normally, reading
+        whatever the client wrote meanwhile [after=1.0].  A request written
+        to it and given up on runs late, on the server, all the same.
     HEADERS_NEVER: read the request, never answer [hold].
     RESET_AFTER_HEADERS: serve normally, send the response head, then RST.
     RESET_MID_STREAM: serve normally, RST after ``after_chunks`` chunks of a
@@ -58,6 +63,7 @@ class Fault(enum.Enum):
 
     RESET_BEFORE_READ = "reset_before_read"
     NEVER_ANSWER_ACCEPT = "never_answer_accept"
+    READ_LATE = "read_late"
     HEADERS_NEVER = "headers_never"
     RESET_AFTER_HEADERS = "reset_after_headers"
     RESET_MID_STREAM = "reset_mid_stream"
@@ -70,9 +76,15 @@ class Fault(enum.Enum):
 
 
 #: Faults applied by the accept loop, before any request exists.
-CONNECTION_FAULTS = frozenset({Fault.RESET_BEFORE_READ, Fault.NEVER_ANSWER_ACCEPT})
+CONNECTION_FAULTS = frozenset({Fault.RESET_BEFORE_READ, Fault.NEVER_ANSWER_ACCEPT, Fault.READ_LATE})
 
 _DEFAULT_GARBAGE = b"\x15\x03\x01\x00\x02\x02\x50 \xff\xfeTHIS IS NOT HTTP\r\n\r\n"
+
+
+def _delay(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 3600:
+        raise ValueError(f"{name} must be seconds in [0, 3600], got {value!r}")
+    return float(value)
 
 
 def _hold(name: str, value: object) -> float | None:
@@ -141,6 +153,7 @@ def _message(name: str, value: object) -> str:
 _PARAMS: dict[Fault, dict[str, tuple[object, Validator]]] = {
     Fault.RESET_BEFORE_READ: {},
     Fault.NEVER_ANSWER_ACCEPT: {"hold": (None, _hold)},
+    Fault.READ_LATE: {"after": (1.0, _delay)},
     Fault.HEADERS_NEVER: {"hold": (None, _hold)},
     Fault.RESET_AFTER_HEADERS: {},
     Fault.RESET_MID_STREAM: {

@@ -436,6 +436,25 @@ class _Router:
         self.responder.send_full(501, R.error_body(501, message, "not_supported_error"))
         return True
 
+    def lora_adapters(self) -> bool:
+        # No adapter is loaded (no --lora): the list is empty.
+        self.responder.send_full(200, b"[]")
+        return True
+
+    def apply_lora_adapters(self) -> bool:
+        """``POST /lora-adapters``: set adapter scales. Not inference: it changes the server's state, so it is the
+        emulator's non-idempotent, non-inference endpoint. With no adapter loaded only ``[]`` is valid."""
+        try:
+            body = json.loads(self.request.body or b"null")
+        except ValueError as exc:
+            return self._error(500, f"[json.exception.parse_error.101] {exc}", "server_error")
+        if not isinstance(body, list):
+            return self._error(400, "Request body must be an array", "invalid_request_error")
+        if body:
+            return self._error(400, "invalid adapter id", "invalid_request_error")
+        self.responder.send_full(200, b'{"success":true}')
+        return True
+
     def chat(self) -> bool:
         return self._completion("chat")
 
@@ -534,6 +553,8 @@ _ROUTES: dict[tuple[str, str], Callable[[_Router], bool]] = {
     ("GET", "/props"): _Router.props,
     ("GET", "/slots"): _Router.slots,
     ("GET", "/metrics"): _Router.metrics,
+    ("GET", "/lora-adapters"): _Router.lora_adapters,
+    ("POST", "/lora-adapters"): _Router.apply_lora_adapters,
     ("POST", "/completion"): _Router.native_completion,
     ("POST", "/completions"): _Router.native_completion,
     ("POST", "/v1/completions"): _Router.oai_completion,

@@ -1,0 +1,297 @@
+"""Cancellation: an asyncio or trio task cancelled at any point of a guarded request leaves nothing behind.
+
+A request is cancelled while it waits for response headers (on its first attempt, or on a retry, inside the guard's
+retry loop), while the guard probes its new connection (first attempt or retry), while the guard waits before a
+retry, in the middle of a streamed body (with the connection closed by header, or dropped by the guard), and while
+it is queued for the pool's only connection, which another request holds. Each time the test waits, on the server
+side or through the guard's own counters, until the request is really at that point; then it cancels the task, and
+checks:
+
+- the task ends at once (the cancellation is not held up by a deadline of the guard's);
+- the pool keeps no connection of the cancelled request (only idle, healthy ones, of which there are none here);
+- no task is left: asyncio's task set, or trio's whole task tree, is as it was before;
+- no socket is left: the process's sockets connected to the server, and its file descriptors once the server has
+  stopped, are back to where they were; garbage collection runs with ResourceWarning as an error and any warning
+  from a finalizer (an unclosed socket or transport) fails the test;
+- nothing was sent that the cancelled request had not sent (server-side counts), and the same client answers a
+  follow-up request correctly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from llama_guard import GuardPolicy
+from llama_guard.testing import Fault, LlamaServerEmulator, generated_text
+
+from ._drivers import (
+    LIBRARIES,
+    Driver,
+    client_sockets,
+    close_driver,
+    make_driver,
+    open_fds,
+    pool_of,
+    pool_problems,
+    run_bounded,
+    wait_until,
+)
+
+pytest.importorskip("httpx2")
+
+CHAT = "/v1/chat/completions"
+HARD_DEADLINE = 30.0
+#: How long a cancelled task may take to end.
+CANCEL_LATENCY = 1.0
+#: Where the request is when it is cancelled. The "retry-" points are in a later attempt, under the guard's retry
+#: loop (tenacity), which catches every exception of an attempt to decide on it.
+POINTS = (
+    "waiting-for-headers",
+    "retry-waiting-for-headers",
+    "probing",
+    "retry-probing",
+    "backoff",
+    "mid-stream",
+    "mid-stream-drop",
+    "waiting-for-pool",
+)
+
+
+def chat(stream: bool, tokens: int = 4) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": stream}
+
+
+def policy_for(point: str) -> GuardPolicy:
+    if point.endswith("probing"):
+        # A probe that would wait 1 s (more than the test waits to cancel it): the cancellation cuts it short.
+        return GuardPolicy(probe_timeout=1.0, backoff=0.02)
+    if point == "mid-stream-drop":
+        return GuardPolicy(probe_timeout=0.5, stream_mode="drop")
+    return GuardPolicy(probe_timeout=0.5, backoff=0.02)
+
+
+def task_count() -> int:
+    """Tasks alive in this event loop: asyncio's task set, or every task in trio's task tree."""
+    if _backend() == "asyncio":
+        return len(asyncio.all_tasks())
+    import trio
+
+    count, stack = 0, [trio.lowlevel.current_root_task()]
+    while stack:
+        task = stack.pop()
+        if task is None:
+            continue
+        count += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return count
+
+
+def _backend() -> str:
+    import sniffio
+
+    return sniffio.current_async_library()
+
+
+class Victim:
+    """The request to cancel, in a task of its own under a cancel scope."""
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+        self.first_chunk = anyio.Event()
+        self.finished: str | None = None
+        self.ended: float | None = None
+
+    async def run(self, point: str, driver: Driver) -> None:
+        try:
+            with self.scope:
+                client = driver.client
+                if point.startswith("mid-stream"):
+                    async with client.stream("POST", CHAT, json=chat(True, tokens=200)) as response:
+                        assert response.status_code == 200
+                        async for _chunk in response.aiter_bytes():
+                            self.first_chunk.set()
+                else:
+                    await client.post(CHAT, json=chat(False))
+                self.finished = "the request ended instead of being cancelled"
+        finally:
+            self.ended = time.monotonic()
+
+
+async def reached(point: str, server: LlamaServerEmulator, driver: Driver, victim: Victim) -> None:
+    """Wait (bounded) until the victim is where the test means to cancel it."""
+    if point.endswith("waiting-for-headers"):
+        # The server has read the whole request and will never answer: the client waits for the headers.
+        times = 2 if point.startswith("retry-") else 1
+        await wait_until(
+            lambda: server.stats().faults_triggered.get(Fault.HEADERS_NEVER) == times, timeout=5, what=point
+        )
+    elif point.endswith("probing"):
+        # The probe (GET /health) sits unread on the new connection: the guard waits for its answer.
+        await wait_until(
+            lambda: any(held.unread_bytes > 0 for held in server.held_connections()), timeout=5, what=point
+        )
+    elif point == "backoff":
+        # The 503 was answered and the guard decided to retry: it waits out Retry-After (30 s) now.
+        await wait_until(lambda: driver.stats.retries == 1, timeout=5, what=point)
+    elif point == "waiting-for-pool":
+        # The pool's only connection serves another request (waiting for headers): this one is queued for it.
+        await wait_until(lambda: len(pool_of(driver)._requests) == 2, timeout=5, what=point)
+    else:
+        with anyio.fail_after(5):
+            await victim.first_chunk.wait()
+
+
+def arm(point: str, server: LlamaServerEmulator) -> None:
+    if point == "retry-waiting-for-headers":
+        server.inject(Fault.HEADERS_NEVER, path=CHAT, hold=0)  # read, closed unanswered: retried at once
+    elif point == "retry-probing":
+        server.inject(Fault.RESET_BEFORE_READ)  # the first probe fails: a new connection
+    if point.endswith("waiting-for-headers") or point == "waiting-for-pool":
+        server.inject(Fault.HEADERS_NEVER, path=CHAT)
+    elif point.endswith("probing"):
+        server.inject(Fault.NEVER_ANSWER_ACCEPT)
+    elif point == "backoff":
+        server.inject(Fault.STATUS_503, path=CHAT, retry_after=30)
+
+
+async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmulator) -> float:
+    backend = _backend()
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1) if point == "waiting-for-pool" else None
+    driver = make_driver(
+        backend,
+        guarded=True,
+        base_url=server.url,
+        policy=policy_for(point),
+        timeout=10.0,
+        limits=limits,
+        library=library_name,
+    )
+    try:
+        tasks_before = task_count()
+        arm(point, server)
+        victim, holder = Victim(), Victim()
+        async with anyio.create_task_group() as group:
+            if point == "waiting-for-pool":
+                group.start_soon(holder.run, point, driver)  # holds the pool's only connection
+                await wait_until(holder_waits(server), timeout=5, what="the holder waits for its headers")
+            group.start_soon(victim.run, point, driver)
+            await reached(point, server, driver, victim)
+            cancelled = time.monotonic()
+            victim.scope.cancel()
+            await wait_until(lambda: victim.ended is not None, timeout=HARD_DEADLINE, what="the victim ended")
+            if point == "waiting-for-pool":
+                # The other request is untouched: still in flight on its connection.
+                assert holder.ended is None
+                assert len(pool_of(driver)._requests) == 1
+                holder.scope.cancel()
+        assert victim.ended is not None
+        latency = victim.ended - cancelled
+        assert victim.finished is None, victim.finished
+        assert victim.scope.cancelled_caught
+        assert latency < CANCEL_LATENCY, f"the cancelled task took {latency:.2f} s to end"
+
+        assert task_count() == tasks_before, "a task was left behind"
+        assert pool_problems(driver) == []
+        assert [c for c in pool_of(driver).connections if not c.is_closed()] == [], "the pool kept a connection"
+        await wait_until(lambda: client_sockets(server.port) == 0, timeout=5, what="the cancelled request's socket")
+
+        await check_server(point, server)
+        server.clear_faults()
+        response = await driver.client.post(CHAT, json=chat(False))
+        assert response.status_code == 200
+        assert response.json()["choices"][0]["message"]["content"] == generated_text(4)
+        assert pool_problems(driver) == []
+    finally:
+        await close_driver(driver)
+    await wait_until(lambda: client_sockets(server.port) == 0, timeout=5, what="every client socket closed")
+    return latency
+
+
+def holder_waits(server: LlamaServerEmulator) -> Callable[[], bool]:
+    return lambda: server.stats().faults_triggered.get(Fault.HEADERS_NEVER) == 1
+
+
+async def check_server(point: str, server: LlamaServerEmulator) -> None:
+    """Nothing was sent beyond what the cancelled request had sent before the cancellation."""
+    stats = server.stats()
+    if point.endswith("probing"):
+        assert stats.requests_to(CHAT) == 0  # the real request was never written
+    elif point == "retry-waiting-for-headers":
+        assert stats.requests_to(CHAT) == 2  # the attempt closed unanswered, and the one cancelled
+    elif point in ("waiting-for-headers", "backoff", "waiting-for-pool"):
+        assert stats.requests_to(CHAT) == 1  # sent once, never again (the queued request: never)
+    else:
+        # The stream was cut on the client's side: the server notices at its next write and stops generating.
+        await wait_until(lambda: server.stats().completions_cancelled == 1, timeout=5, what="the generation stopped")
+        assert server.stats().completions_started == 1
+
+
+@contextlib.contextmanager
+def no_unclosed_resources() -> Iterator[None]:
+    """ResourceWarning is an error, and every warning or error raised by a finalizer (where an unclosed socket or
+    transport reports itself) is collected and fails the test."""
+    caught: list[Any] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = caught.append
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            yield
+            gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    assert not caught, [f"{u.exc_value!r} ({u.err_msg}: {u.object!r})" for u in caught]
+
+
+def wait_for_fds(limit: int, timeout: float = 5.0) -> None:
+    """Poll (outside any event loop, which has descriptors of its own) until at most ``limit`` are open."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        fds = open_fds()
+        if fds <= limit:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{fds} file descriptors open, {limit} before the test: {fd_targets()}")
+        time.sleep(0.02)
+
+
+def fd_targets() -> list[str]:
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            targets.append(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+    return targets
+
+
+@pytest.mark.parametrize("library_name", LIBRARIES)
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("point", POINTS)
+def test_cancelled_request_leaves_nothing_behind(point: str, backend: str, library_name: str) -> None:
+    gc.collect()
+    baseline = open_fds()
+    server = LlamaServerEmulator(pool_bug=False, token_interval=0.05 if point.startswith("mid-stream") else 0.0)
+    with no_unclosed_resources():
+        server.start()
+        try:
+            latency = run_bounded(
+                backend, cancel_scenario, point, library_name, server, deadline=HARD_DEADLINE, on_hang=server.stop
+            )
+            assert server.stats().errors == ()
+        finally:
+            server.stop()
+        wait_for_fds(baseline)
+    assert latency < CANCEL_LATENCY

@@ -1,0 +1,635 @@
+"""The fault matrix: every fault the wire can throw at a client, against the guard, on every client flavour.
+
+Each row of `CASES` is one fault (or server condition) and one kind of request, with the one outcome that is right
+for it under the guard's rules (docs/how-it-works.md): the complete, correct answer, or a given httpx error class
+within a deadline, and how many requests and completions the server saw. Every row runs on a sync, an asyncio and
+a trio client, with httpx and with httpx2, against the emulator on real loopback sockets.
+
+After the outcome, every test also checks what the rules promise beyond it:
+
+- no hang: the whole scenario runs under a hard deadline (`run_bounded`), and the request's outcome comes within
+  the row's ``within``;
+- no silently truncated body: an answer counts as correct only when its body is whole (the full generated text,
+  and ``data: [DONE]`` at the end of a stream);
+- nothing sent twice that the rules say must not be: counted on the server side, after the server has settled;
+- no connection left in the pool in an unknown state: the pool holds only idle, healthy connections (or none), a
+  follow-up request on the same client gets a correct answer, and once the client is closed no socket to the
+  server is left open (garbage collection then runs under ``filterwarnings = error``, so an unclosed socket's
+  ResourceWarning fails the test).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+import llama_guard
+from llama_guard import GuardPolicy
+from llama_guard.testing import EmulatorStats, Fault, LlamaServerEmulator, generated_text
+
+from ._drivers import (
+    FLAVORS,
+    LIBRARIES,
+    Driver,
+    Outcome,
+    client_sockets,
+    close_driver,
+    guard_module,
+    library,
+    make_driver,
+    pool_problems,
+    run_bounded,
+    wait_until,
+)
+
+pytest.importorskip("httpx2")
+
+CHAT = "/v1/chat/completions"
+N_TOKENS = 4
+#: A scenario still running after this long is a hang: the test fails, and the emulator is stopped to free it.
+HARD_DEADLINE = 30.0
+#: How long server-side counts may take to reach their expected values (the server runs in other threads).
+SETTLE = 5.0
+#: The guard's settings in every row unless the row says otherwise: short deadlines keep the matrix fast.
+BASE_POLICY: Mapping[str, Any] = {"probe_timeout": 0.2, "backoff": 0.02, "max_retry_time": 5.0}
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of request: what it sends and what its complete answer is."""
+
+    method: str
+    path: str
+    body: object
+    inference: bool
+    one_shot: bool = False  # the body is a generator: it can be sent once only
+
+    async def send(self, driver: Driver, extensions: dict[str, Any] | None = None) -> Outcome:
+        """Send this request on ``driver`` (streamed, then read whole) and return what the client saw."""
+        if not self.one_shot:
+            return await driver.request(self.method, self.path, json=self.body, stream=True, extensions=extensions)
+        data = json.dumps(self.body).encode()
+        content: Any
+        if driver.flavor == "sync":
+            content = iter([data])
+        else:
+
+            async def agen() -> AsyncIterator[bytes]:
+                yield data
+
+            content = agen()
+        return await driver.request(self.method, self.path, content=content, stream=True, extensions=extensions)
+
+    def check_answer(self, body: bytes) -> None:
+        """The body is whole and right, or AssertionError."""
+        if self.path == CHAT and isinstance(self.body, dict) and self.body.get("stream"):
+            events = [event for event in body.split(b"\n\n") if event]
+            assert events, "an empty stream"
+            assert events[-1] == b"data: [DONE]", f"stream does not end with [DONE]: {body[-80:]!r}"
+            chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-1]]
+            text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+            assert text == generated_text(N_TOKENS)
+            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        elif self.path == CHAT:
+            document = json.loads(body)
+            assert document["choices"][0]["message"]["content"] == generated_text(N_TOKENS)
+            assert document["usage"]["completion_tokens"] == N_TOKENS
+        elif self.path == "/v1/models":
+            assert json.loads(body)["data"][0]["id"] == "emulated-model.gguf"
+        else:
+            assert json.loads(body) == {"success": True}
+
+
+def _chat(stream: bool) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": N_TOKENS, "stream": stream}
+
+
+KINDS = {
+    "chat": Kind("POST", CHAT, _chat(False), inference=True),
+    "stream": Kind("POST", CHAT, _chat(True), inference=True),
+    "get": Kind("GET", "/v1/models", None, inference=False),
+    # llama-server's POST /lora-adapters changes server state: not idempotent, not inference.
+    "post": Kind("POST", "/lora-adapters", [], inference=False),
+    # A completion whose body is a generator: an inference request, but one that can never be sent twice.
+    "chat-upload": Kind("POST", CHAT, _chat(False), inference=True, one_shot=True),
+}
+
+OK = "ok"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: a fault, a kind of request, and the one right outcome.
+
+    ``expect`` is ``"ok"`` (status 200 and the complete, correct answer), ``"status:<code>"`` (that response,
+    with its body, delivered as the server sent it), or the names of httpx error classes (one of them, from the
+    client's library; ``FirstByteTimeout``, ``ProbeTimeout`` and ``ProbeError`` are the guard's). ``requests`` is
+    how many of the request's (method, path) the server received and ``completions`` how many completions it
+    started, before the follow-up request (a setup's own requests included).
+    """
+
+    id: str
+    kind: str
+    expect: str | tuple[str, ...]
+    requests: int
+    completions: int
+    within: float
+    why: str
+    fault: Fault | None = None
+    params: Mapping[str, Any] = field(default_factory=dict)
+    count: int | None = 1
+    scenario: str = "fault"
+    policy: Mapping[str, Any] = field(default_factory=dict)
+    server: Mapping[str, Any] = field(default_factory=dict)
+    timeout: float = 5.0
+    attempts: int | None = None
+    at_least: float = 0.0
+    guarded: bool = True
+    # Per-request options (request.extensions["llama_guard"]) of the faulty request; the follow-up has none.
+    options: Mapping[str, Any] | None = None
+    # Server-side condition that says the fault has played out (e.g. a connection read late was served).
+    settled: Callable[[EmulatorStats], bool] | None = None
+
+    @property
+    def expected_errors(self) -> tuple[str, ...]:
+        if isinstance(self.expect, str):
+            return () if self.expect == OK or self.expect.startswith("status:") else (self.expect,)
+        return self.expect
+
+
+def late_probe_read(stats: EmulatorStats) -> bool:
+    """The connection READ_LATE held has been read at last: the server has answered two probes, the retry's and
+    the abandoned one (which is all that was written to it: no completion can come from it any more)."""
+    return stats.requests_to("/health") >= 2
+
+
+CASES = [
+    # -- defect 1: the server closes a kept-alive connection right after a stream ---------------------------------
+    Case("after-stream/chat", "chat", OK, 2, 2, 3.0, "the stream's connection is never reused", attempts=1,
+         scenario="after_stream", server={"stream_close_delay": 0.06}),
+    Case("after-stream/stream", "stream", OK, 2, 2, 3.0, "the stream's connection is never reused", attempts=1,
+         scenario="after_stream", server={"stream_close_delay": 0.06}),
+    Case("after-stream/post", "post", OK, 1, 1, 3.0, "the stream's connection is never reused", attempts=1,
+         scenario="after_stream", server={"stream_close_delay": 0.06}),
+    Case("after-stream/chat/stream_mode=off", "chat", OK, 2, 2, 3.0,
+         "a request lost on the dead pooled connection was never read: resent at once",
+         scenario="after_stream", server={"stream_close_delay": 0.06}, policy={"stream_mode": "off"}),
+    Case("after-stream/chat/stream_mode=drop", "chat", OK, 2, 2, 3.0, "dropped after the final chunk", attempts=1,
+         scenario="after_stream", server={"stream_close_delay": 0.06}, policy={"stream_mode": "drop"}),
+    # -- connection reset before the request is read ---------------------------------------------------------------
+    Case("reset-before-read/chat", "chat", OK, 1, 1, 3.0, "the probe took the reset: nothing real was sent",
+         fault=Fault.RESET_BEFORE_READ, attempts=2),
+    Case("reset-before-read/post", "post", OK, 1, 0, 3.0, "the probe took the reset: nothing real was sent",
+         fault=Fault.RESET_BEFORE_READ, attempts=2),
+    Case("reset-before-read/chat-upload", "chat-upload", OK, 1, 1, 3.0,
+         "the probe took the reset: the one-shot body was never read", fault=Fault.RESET_BEFORE_READ, attempts=2),
+    Case("reset-before-read/chat/probe=off", "chat", OK, 1, 1, 3.0,
+         "written, no answer: an inference request may be resent", fault=Fault.RESET_BEFORE_READ,
+         policy={"probe": False}, attempts=2),
+    Case("reset-always/chat", "chat", "ConnectError", 0, 0, 3.0,
+         "every connection reset before it is read: attempts run out on a ConnectError", fault=Fault.RESET_BEFORE_READ,
+         count=None, policy={"max_attempts": 3}, attempts=3),
+    # -- reset after the headers, and in the middle of a body ------------------------------------------------------
+    Case("reset-after-headers/chat", "chat", "ReadError", 1, 1, 3.0, "headers arrived: never retried",
+         fault=Fault.RESET_AFTER_HEADERS),
+    Case("reset-after-headers/stream", "stream", "ReadError", 1, 1, 3.0, "headers arrived: never retried",
+         fault=Fault.RESET_AFTER_HEADERS),
+    Case("reset-after-headers/get", "get", "ReadError", 1, 0, 3.0, "headers arrived: never retried, even a GET",
+         fault=Fault.RESET_AFTER_HEADERS),
+    Case("reset-mid-body/stream", "stream", "ReadError", 1, 1, 3.0, "headers arrived: never retried",
+         fault=Fault.RESET_MID_STREAM, params={"after_chunks": 2}),
+    Case("reset-mid-body/chat", "chat", "ReadError", 1, 1, 3.0, "headers arrived: never retried",
+         fault=Fault.RESET_MID_STREAM),
+    Case("closed-mid-body/stream", "stream", "RemoteProtocolError", 1, 1, 3.0,
+         "a stream cut short is an error, never a complete answer", fault=Fault.BODY_STALL,
+         params={"after_chunks": 2, "hold": 0}),
+    Case("closed-mid-body/chat", "chat", "RemoteProtocolError", 1, 1, 3.0,
+         "a body shorter than its Content-Length is an error, never a complete answer", fault=Fault.BODY_STALL,
+         params={"hold": 0}),
+    # -- the request left unread (the pool bug of builds before b11737) ----------------------------------------------
+    Case("read-late/chat", "chat", OK, 1, 1, 3.0, "the probe is left unread, never the request",
+         fault=Fault.READ_LATE, params={"after": 0.8}, attempts=2, at_least=0.2, settled=late_probe_read),
+    Case("read-late/stream", "stream", OK, 1, 1, 3.0, "the probe is left unread, never the request",
+         fault=Fault.READ_LATE, params={"after": 0.8}, attempts=2, at_least=0.2, settled=late_probe_read),
+    Case("read-late/post", "post", OK, 1, 0, 3.0, "the probe is left unread, never the request",
+         fault=Fault.READ_LATE, params={"after": 0.8}, attempts=2, at_least=0.2, settled=late_probe_read),
+    Case("read-late/chat/probe=off", "chat", OK, 2, 2, 3.0,
+         "without the probe the abandoned request runs late, as documented: twice, which inference allows",
+         fault=Fault.READ_LATE, params={"after": 1.0}, policy={"probe": False, "first_byte_timeout": 0.2},
+         attempts=2, at_least=0.2),
+    Case("read-late/chat/unguarded", "chat", "ReadTimeout", 0, 0, 2.0, "plain httpx waits for its read timeout",
+         fault=Fault.READ_LATE, params={"after": 3.0}, guarded=False, timeout=0.4, at_least=0.35),
+    # -- all slots busy: the headers come late -----------------------------------------------------------------------
+    Case("slots-busy/chat", "chat", OK, 2, 2, 4.0, "a slow healthy answer is neither cut nor repeated",
+         scenario="slots_busy", params={"blocker_tokens": 20}, server={"parallel": 1, "token_interval": 0.03},
+         attempts=1, at_least=0.25),
+    Case("slots-busy/stream", "stream", OK, 2, 2, 4.0, "a slow healthy answer is neither cut nor repeated",
+         scenario="slots_busy", params={"blocker_tokens": 20}, server={"parallel": 1, "token_interval": 0.03},
+         attempts=1, at_least=0.25),
+    Case("slots-busy/chat/first_byte_timeout", "chat", "FirstByteTimeout", 3, 1, 3.0,
+         "the caller's bound on the wait for headers; abandoned waits never run",
+         scenario="slots_busy", params={"blocker_tokens": 300}, server={"parallel": 1, "token_interval": 0.03},
+         policy={"max_attempts": 2}, options={"first_byte_timeout": 0.2}, attempts=2, at_least=0.4),
+    # -- 503 while loading, 429 ----------------------------------------------------------------------------------------
+    Case("503-retry-after/chat", "chat", OK, 2, 1, 3.0, "503 with Retry-After: waited out, then resent",
+         fault=Fault.STATUS_503, params={"retry_after": 1}, attempts=2, at_least=0.95),
+    Case("503/chat", "chat", OK, 2, 1, 3.0, "503 without Retry-After: resent after a backoff",
+         fault=Fault.STATUS_503, attempts=2),
+    Case("503/stream", "stream", OK, 2, 1, 3.0, "503: resent", fault=Fault.STATUS_503,
+         params={"retry_after": 0}, attempts=2),
+    Case("503/get", "get", OK, 2, 0, 3.0, "503: resent", fault=Fault.STATUS_503, params={"retry_after": 0},
+         attempts=2),
+    Case("503/post", "post", "status:503", 1, 0, 2.0, "503 for a request that may not be sent twice: delivered",
+         fault=Fault.STATUS_503, params={"retry_after": 0}, attempts=1),
+    Case("503/chat-upload", "chat-upload", "status:503", 1, 0, 2.0, "503 for a one-shot body: delivered",
+         fault=Fault.STATUS_503, params={"retry_after": 0}, attempts=1),
+    Case("503-loading-every-route/chat", "chat", OK, 2, 1, 3.0,
+         "503 on /health too: that connection is lost; the server reads connections, so the next attempt goes "
+         "unprobed, gets its own 503 and is resent",
+         fault=Fault.STATUS_503, params={"retry_after": 0}, count=2, scenario="fault_any_path", attempts=3),
+    Case("503-retry-after-too-long/chat", "chat", "status:503", 1, 0, 1.5,
+         "Retry-After beyond max_retry_after: delivered at once", fault=Fault.STATUS_503, params={"retry_after": 60},
+         attempts=1),
+    Case("503-always/chat", "chat", "status:503", 3, 0, 3.0, "attempts run out: the last 503, with its body",
+         fault=Fault.STATUS_503, params={"retry_after": 0}, count=None, policy={"max_attempts": 3}, attempts=3),
+    Case("503-retry-after-beyond-max_retry_time/chat", "chat", "status:503", 1, 0, 1.5,
+         "waiting out Retry-After would pass max_retry_time: delivered at once", fault=Fault.STATUS_503,
+         params={"retry_after": 10}, policy={"max_retry_time": 3.0}, attempts=1),
+    Case("503-large-body/chat", "chat", "status:503", 1, 0, 1.5,
+         "a 503 whose body is not a short error: delivered, not retried", fault=Fault.STATUS_503,
+         params={"retry_after": 0, "message": "x" * 70_000}, attempts=1),
+    Case("429-retry-after/chat", "chat", OK, 2, 1, 3.0, "429 with Retry-After: resent", fault=Fault.STATUS_429,
+         params={"retry_after": 0}, attempts=2),
+    Case("429/chat", "chat", "status:429", 1, 0, 1.5, "429 without Retry-After: delivered",
+         fault=Fault.STATUS_429, attempts=1),
+    Case("429-retry-after/post", "post", "status:429", 1, 0, 1.5, "429 for a request that may not be sent twice",
+         fault=Fault.STATUS_429, params={"retry_after": 0}, attempts=1),
+    # -- headers that never come -------------------------------------------------------------------------------------
+    Case("headers-never/chat", "chat", OK, 2, 1, 3.0, "no headers within first_byte_timeout: resent",
+         fault=Fault.HEADERS_NEVER, policy={"first_byte_timeout": 0.2}, attempts=2, at_least=0.2),
+    Case("headers-never/stream", "stream", OK, 2, 1, 3.0, "no headers within first_byte_timeout: resent",
+         fault=Fault.HEADERS_NEVER, policy={"first_byte_timeout": 0.2}, attempts=2, at_least=0.2),
+    Case("headers-never/get", "get", OK, 2, 0, 3.0, "no headers within first_byte_timeout: resent",
+         fault=Fault.HEADERS_NEVER, policy={"first_byte_timeout": 0.2}, attempts=2, at_least=0.2),
+    Case("headers-never/post", "post", "FirstByteTimeout", 1, 0, 2.0,
+         "no headers, but a non-idempotent request may have run: not resent", fault=Fault.HEADERS_NEVER,
+         policy={"first_byte_timeout": 0.2}, attempts=1, at_least=0.2),
+    Case("headers-never/chat/read-timeout", "chat", "ReadTimeout", 1, 0, 2.0,
+         "the caller's own read timeout: not retried", fault=Fault.HEADERS_NEVER, timeout=0.4, attempts=1,
+         at_least=0.35),
+    Case("headers-never-always/chat", "chat", "FirstByteTimeout", 3, 0, 4.0,
+         "attempts run out: the guard's FirstByteTimeout", fault=Fault.HEADERS_NEVER, count=None,
+         policy={"first_byte_timeout": 0.1, "max_attempts": 3}, attempts=3, at_least=0.3),
+    Case("closed-without-answer/chat", "chat", OK, 2, 1, 3.0, "written, no answer: inference may be resent",
+         fault=Fault.HEADERS_NEVER, params={"hold": 0}, attempts=2),
+    Case("closed-without-answer/post", "post", "RemoteProtocolError", 1, 0, 2.0,
+         "written, no answer: a non-idempotent request is not resent", fault=Fault.HEADERS_NEVER,
+         params={"hold": 0}, attempts=1),
+    Case("closed-without-answer/chat-upload", "chat-upload", "RemoteProtocolError", 1, 0, 2.0,
+         "written, no answer: a one-shot body is never sent twice, even for inference", fault=Fault.HEADERS_NEVER,
+         params={"hold": 0}, attempts=1),
+    Case("closed-without-answer/post/retry_non_idempotent", "post", OK, 2, 0, 3.0,
+         "retry_non_idempotent=True: resent", fault=Fault.HEADERS_NEVER, params={"hold": 0},
+         policy={"retry_non_idempotent": True}, attempts=2),
+    Case("closed-without-answer/get/reused", "get", OK, 3, 0, 3.0,
+         "a pooled connection that dies under a request: a GET is resent at once", fault=Fault.HEADERS_NEVER,
+         params={"hold": 0}, scenario="reused", attempts=2),
+    Case("closed-without-answer/post/reused", "post", "RemoteProtocolError", 2, 0, 2.0,
+         "a pooled connection that dies under a non-idempotent request: not resent", fault=Fault.HEADERS_NEVER,
+         params={"hold": 0}, scenario="reused", attempts=1),
+    # -- a body that stalls for ever -----------------------------------------------------------------------------------
+    Case("body-stall/stream", "stream", "ReadTimeout", 1, 1, 2.5,
+         "the caller's read timeout, not the first-byte deadline, bounds a body; never retried",
+         fault=Fault.BODY_STALL, params={"after_chunks": 2}, policy={"first_byte_timeout": 0.1}, timeout=0.5,
+         at_least=0.45),
+    Case("body-stall/chat", "chat", "ReadTimeout", 1, 1, 2.5,
+         "the caller's read timeout, not the first-byte deadline, bounds a body; never retried",
+         fault=Fault.BODY_STALL, policy={"first_byte_timeout": 0.1}, timeout=0.5, at_least=0.45),
+    # -- a server that accepts and never answers ----------------------------------------------------------------------
+    Case("never-answers/chat", "chat", OK, 1, 1, 3.0, "the probe times out; a new connection",
+         fault=Fault.NEVER_ANSWER_ACCEPT, attempts=2, at_least=0.2),
+    Case("never-answers/post", "post", OK, 1, 0, 3.0, "the probe times out; a new connection",
+         fault=Fault.NEVER_ANSWER_ACCEPT, attempts=2, at_least=0.2),
+    Case("never-answers/chat-upload", "chat-upload", OK, 1, 1, 3.0,
+         "the probe times out; the one-shot body goes on a new connection", fault=Fault.NEVER_ANSWER_ACCEPT,
+         attempts=2, at_least=0.2),
+    Case("never-answers-always/chat", "chat", "ProbeTimeout", 0, 0, 4.0,
+         "attempts run out on probes: a ConnectTimeout, and nothing real was ever sent",
+         fault=Fault.NEVER_ANSWER_ACCEPT, count=None, policy={"max_attempts": 3, "probe_timeout": 0.1}, attempts=3,
+         at_least=0.4),
+    Case("never-answers/chat/unguarded", "chat", "ReadTimeout", 0, 0, 2.0, "plain httpx waits for its read timeout",
+         fault=Fault.NEVER_ANSWER_ACCEPT, guarded=False, timeout=0.4, at_least=0.35),
+    # -- a server that speaks garbage --------------------------------------------------------------------------------
+    Case("not-http/chat", "chat", OK, 2, 1, 3.0, "no valid headers: inference may be resent", fault=Fault.GARBAGE,
+         attempts=2),
+    Case("not-http/get", "get", OK, 2, 0, 3.0, "no valid headers: a GET may be resent", fault=Fault.GARBAGE,
+         attempts=2),
+    Case("not-http/post", "post", "RemoteProtocolError", 1, 0, 2.0, "no valid headers: a POST is not resent",
+         fault=Fault.GARBAGE, attempts=1),
+    Case("not-http/chat/reused", "chat", OK, 3, 2, 3.0, "garbage on a pooled connection: inference is resent",
+         fault=Fault.GARBAGE, scenario="reused", attempts=2),
+    Case("not-http-always/chat", "chat", "RemoteProtocolError", 3, 0, 3.0,
+         "attempts run out: the last RemoteProtocolError", fault=Fault.GARBAGE, count=None,
+         policy={"max_attempts": 3}, attempts=3),
+    Case("not-http-probe-answer/post", "post", OK, 1, 0, 3.0, "a probe answered with garbage: a new connection",
+         fault=Fault.GARBAGE, scenario="fault_on_probe", attempts=2),
+    Case("truncated-chunk/stream", "stream", "RemoteProtocolError", 1, 1, 2.0,
+         "a chunk shorter than its size line: an error after the headers", fault=Fault.TRUNCATED_CHUNK),
+    Case("bad-chunk-size/stream", "stream", "RemoteProtocolError", 1, 1, 2.0,
+         "a size line that is not hex: an error after the headers", fault=Fault.TRUNCATED_CHUNK,
+         params={"size_line": b"zz"}),
+    Case("truncated-chunk/get", "get", "RemoteProtocolError", 1, 0, 2.0, "an error after the headers",
+         fault=Fault.TRUNCATED_CHUNK),
+    Case("absurd-chunk-size/stream", "stream", "RemoteProtocolError", 1, 1, 2.0,
+         "a chunk size of 2**160 bytes, then the end: an error after the headers", fault=Fault.TRUNCATED_CHUNK,
+         params={"size_line": b"f" * 40}),
+    Case("huge-header/chat", "chat", OK, 2, 2, 3.0,
+         "a head too large to parse is no headers: inference may be resent (it ran twice: allowed)",
+         fault=Fault.HUGE_HEADER, attempts=2),
+    Case("huge-header/stream", "stream", OK, 2, 2, 3.0,
+         "a head too large to parse is no headers: inference may be resent (it ran twice: allowed)",
+         fault=Fault.HUGE_HEADER, attempts=2),
+    Case("huge-header/post", "post", "RemoteProtocolError", 1, 0, 2.0,
+         "a head too large to parse, for a POST that may have run: not resent", fault=Fault.HUGE_HEADER, attempts=1),
+    Case("huge-header-probe-answer/chat", "chat", OK, 1, 1, 3.0, "a probe answer too large: a new connection",
+         fault=Fault.HUGE_HEADER, scenario="fault_on_probe", attempts=2),
+    # -- connection refused while the server restarts ------------------------------------------------------------------
+    Case("refused-while-restarting/chat", "chat", OK, 1, 1, 4.0, "refused: nothing sent, retried until it is back",
+         scenario="restart", params={"down": 0.3}, policy={"max_attempts": 60, "backoff": 0.05, "backoff_max": 0.1},
+         at_least=0.25),
+    Case("refused-while-restarting/post", "post", OK, 1, 0, 4.0, "refused: nothing sent, retried until it is back",
+         scenario="restart", params={"down": 0.3}, policy={"max_attempts": 60, "backoff": 0.05, "backoff_max": 0.1},
+         at_least=0.25),
+    Case("refused-while-restarting/chat-upload", "chat-upload", OK, 1, 1, 4.0,
+         "refused: the one-shot body was never read, so it can still be sent", scenario="restart",
+         params={"down": 0.3}, policy={"max_attempts": 60, "backoff": 0.05, "backoff_max": 0.1}, at_least=0.25),
+    Case("refused-too-long/chat", "chat", "ConnectError", 0, 0, 1.5, "max_retry_time passes first: ConnectError",
+         scenario="restart", params={"down": 0.7},
+         policy={"max_attempts": 60, "backoff": 0.05, "backoff_max": 0.1, "max_retry_time": 0.2}),
+    Case("refused-while-restarting/chat/unguarded", "chat", "ConnectError", 0, 0, 1.0,
+         "plain httpx fails at once", scenario="restart", params={"down": 0.3}, guarded=False),
+]  # fmt: skip
+
+
+class Env:
+    """The emulator(s) of one test: the server, a slot blocker, a restart in progress."""
+
+    def __init__(self, case: Case) -> None:
+        self.case = case
+        self.kwargs: dict[str, Any] = {"pool_bug": False, **case.server}
+        self.server = LlamaServerEmulator(**self.kwargs).start()
+        self.port = self.server.port
+        self.url = self.server.url
+        self.blocker: socket.socket | None = None
+        self._restart: threading.Timer | None = None
+        self._restarted = threading.Event()
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    # -- a restart: down now, back on the same port after ``down`` seconds -----------------------------------------
+
+    def restart(self, down: float) -> None:
+        self.server.stop()
+        self._restart = threading.Timer(down, self._start_again)
+        self._restart.start()
+
+    def _start_again(self) -> None:
+        try:
+            with self._lock:
+                if not self._stopped:
+                    self.server = LlamaServerEmulator(port=self.port, **self.kwargs).start()
+        finally:
+            self._restarted.set()
+
+    def wait_restarted(self) -> None:
+        if self._restart is not None:
+            assert self._restarted.wait(10.0), "the emulator did not come back"
+            assert self.server.running, "the emulator could not listen on its port again"
+
+    # -- all slots busy ----------------------------------------------------------------------------------------------
+
+    def occupy_slot(self, tokens: int) -> None:
+        """A raw client streaming a long completion: it holds the only slot until `release_slot()`."""
+        body = json.dumps({"messages": [], "max_tokens": tokens, "stream": True}).encode()
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: blocker\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        self.blocker = socket.create_connection(("127.0.0.1", self.port), timeout=5.0)
+        self.blocker.sendall(head.encode() + body)
+
+    def release_slot(self) -> None:
+        if self.blocker is not None:
+            self.blocker.close()
+            self.blocker = None
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+        if self._restart is not None:
+            self._restart.cancel()
+            self._restart.join(10.0)
+        self.release_slot()
+        self.server.stop()
+
+
+def policy_for(case: Case) -> GuardPolicy | None:
+    return GuardPolicy(**{**BASE_POLICY, **case.policy}) if case.guarded else None
+
+
+def error_class(name: str, library_name: str) -> type[BaseException]:
+    module = guard_module(library_name) if name in ("FirstByteTimeout", "ProbeTimeout", "ProbeError") else None
+    cls: type[BaseException] = getattr(module or library(library_name), name)
+    return cls
+
+
+def attempts_of(outcome: Outcome) -> int | None:
+    if outcome.result is not None:
+        return outcome.result.attempts
+    if isinstance(outcome.error, llama_guard.GuardError):
+        return outcome.error.attempts
+    return None
+
+
+def check_outcome(case: Case, outcome: Outcome, library_name: str) -> None:
+    kind = KINDS[case.kind]
+    described = f"status={outcome.status} error={outcome.error!r} after {outcome.elapsed:.2f} s"
+    assert outcome.elapsed <= case.within, f"{case.id}: expected an outcome within {case.within} s; {described}"
+    assert outcome.elapsed >= case.at_least, f"{case.id}: too early ({case.at_least} s expected); {described}"
+    if case.expect == OK:
+        assert outcome.error is None, f"{case.id}: expected an answer; {described}"
+        assert outcome.status == 200, f"{case.id}: expected an answer; {described}"
+        kind.check_answer(outcome.body)
+    elif isinstance(case.expect, str) and case.expect.startswith("status:"):
+        status = int(case.expect.partition(":")[2])
+        assert outcome.error is None, f"{case.id}: expected {status}; {described}"
+        assert outcome.status == status, f"{case.id}: expected {status}; {described}"
+        assert json.loads(outcome.body)["error"]["code"] == status  # the server's error body, whole
+    else:
+        classes = tuple(error_class(name, library_name) for name in case.expected_errors)
+        assert isinstance(outcome.error, classes), f"{case.id}: expected one of {case.expected_errors}; {described}"
+        assert isinstance(outcome.error, library(library_name).HTTPError)
+        if "ReadTimeout" in case.expected_errors and "FirstByteTimeout" not in case.expected_errors:
+            assert not isinstance(outcome.error, error_class("FirstByteTimeout", library_name)), described
+    if case.guarded and case.attempts is not None:
+        assert attempts_of(outcome) == case.attempts, f"{case.id}: expected {case.attempts} attempts; {described}"
+
+
+async def settle(env: Env, expected: Callable[[EmulatorStats], bool], what: str) -> EmulatorStats:
+    """Wait (bounded) for the server to reach the expected counts; then they must stay there."""
+    await wait_until(lambda: expected(env.server.stats()), timeout=SETTLE, what=what + f": {env.server.stats()}")
+    return env.server.stats()
+
+
+async def fault_scenario(case: Case, flavor: str, library_name: str, env: Env) -> None:
+    kind = KINDS[case.kind]
+    driver = make_driver(
+        flavor,
+        guarded=case.guarded,
+        base_url=env.url,
+        policy=policy_for(case),
+        timeout=case.timeout,
+        library=library_name,
+    )
+    try:
+        await before(case, driver, env)
+        extensions = None if case.options is None else {"llama_guard": dict(case.options)}
+        outcome = await kind.send(driver, extensions)
+        await after(case, env)
+        check_outcome(case, outcome, library_name)
+        assert pool_problems(driver) == [], f"{case.id}: the pool after the fault"
+        count_after_fault = await check_server(case, env)
+
+        env.server.clear_faults()
+        follow_up = await kind.send(driver)
+        assert follow_up.error is None, f"{case.id}: follow-up {follow_up}"
+        assert follow_up.status == 200, f"{case.id}: follow-up {follow_up}"
+        kind.check_answer(follow_up.body)
+        assert pool_problems(driver) == [], f"{case.id}: the pool after the follow-up"
+        runs = count_after_fault.completions_started + int(kind.inference)
+        requests = count_after_fault.requests_to(kind.path, kind.method) + 1
+        await settle(
+            env,
+            lambda s: s.completions_started == runs and s.requests_to(kind.path, kind.method) == requests,
+            f"{case.id}: the follow-up ran once",
+        )
+    finally:
+        await close_driver(driver)
+    await wait_until(
+        lambda: client_sockets(env.port) == 0, timeout=SETTLE, what=f"{case.id}: every client socket closed"
+    )
+
+
+async def before(case: Case, driver: Driver, env: Env) -> None:
+    """Set the stage, then arm the fault."""
+    kind = KINDS[case.kind]
+    if case.scenario == "after_stream":
+        stream = await driver.request("POST", CHAT, json=_chat(True), stream=True)
+        assert stream.error is None, stream
+        assert stream.status == 200, stream
+        KINDS["stream"].check_answer(stream.body)
+    elif case.scenario == "slots_busy":
+        env.occupy_slot(case.params["blocker_tokens"])
+        await wait_until(lambda: env.server.stats().slots_busy == 1, timeout=SETTLE, what="the blocker's slot")
+    elif case.scenario in ("restart", "reused"):
+        warm = await kind.send(driver)  # a pooled connection
+        assert warm.error is None, warm
+        assert warm.status == 200, warm
+        kind.check_answer(warm.body)
+        if case.scenario == "restart":
+            env.restart(case.params["down"])
+    if case.fault is not None:
+        if case.scenario == "fault_on_probe":
+            path: str | None = "/health"
+        elif case.scenario == "fault_any_path" or case.fault in _ACCEPT_FAULTS:
+            path = None
+        else:
+            path = kind.path
+        env.server.inject(case.fault, path=path, count=case.count, **case.params)
+
+
+_ACCEPT_FAULTS = frozenset({Fault.RESET_BEFORE_READ, Fault.NEVER_ANSWER_ACCEPT, Fault.READ_LATE})
+
+
+async def after(case: Case, env: Env) -> None:
+    """Let the stage go, once the outcome is in."""
+    if case.scenario == "slots_busy":
+        # Abandoned attempts waiting for the slot must have been dropped before the slot frees up.
+        await wait_until(lambda: env.server.stats().slots_waiting == 0, timeout=SETTLE, what="waiters dropped")
+        env.release_slot()
+        await wait_until(lambda: env.server.stats().slots_busy == 0, timeout=SETTLE, what="the slot released")
+    elif case.scenario == "restart":
+        env.wait_restarted()
+    if case.settled is not None:
+        await wait_until(lambda: not env.server.held_connections(), timeout=SETTLE, what="held connections let go")
+        await settle(env, case.settled, f"{case.id}: the fault played out")
+
+
+async def check_server(case: Case, env: Env) -> EmulatorStats:
+    """What the server received and ran for the faulty request: exactly the row's counts."""
+    kind = KINDS[case.kind]
+    stats = await settle(
+        env,
+        lambda s: s.requests_to(kind.path, kind.method) >= case.requests and s.completions_started >= case.completions,
+        f"{case.id}: expected {case.requests} requests and {case.completions} completions",
+    )
+    assert (stats.requests_to(kind.path, kind.method), stats.completions_started) == (
+        case.requests,
+        case.completions,
+    ), f"{case.id}: {case.why}; server saw {stats}"
+    assert stats.errors == (), stats.errors
+    return stats
+
+
+@pytest.fixture(scope="module", autouse=True)
+def frozen_heap() -> Iterator[None]:
+    """Move what exists before the matrix out of the collector's way: each test's gc.collect() then only scans
+    what the test made (a full collection of the whole session's heap, per test, would cost more than most
+    tests)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
+@pytest.mark.parametrize("library_name", LIBRARIES)
+@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_fault(case: Case, flavor: str, library_name: str) -> None:
+    env = Env(case)
+    try:
+        run_bounded(flavor, fault_scenario, case, flavor, library_name, env, deadline=HARD_DEADLINE, on_hang=env.stop)
+        assert env.server.stats().errors == ()
+    finally:
+        env.stop()
+    gc.collect()  # an unclosed socket warns now, inside the test, where filterwarnings = error fails it
+
+
+def test_the_matrix_covers_every_fault_and_kind() -> None:
+    """Every fault the emulator has is in the matrix, and every kind of request is."""
+    assert {case.fault for case in CASES if case.fault is not None} == set(Fault)
+    assert {case.kind for case in CASES} == set(KINDS)
+    assert len({case.id for case in CASES}) == len(CASES)
+    scenarios = {case.scenario for case in CASES}
+    assert scenarios == {"fault", "fault_any_path", "fault_on_probe", "reused", "after_stream", "slots_busy", "restart"}
+
+
+def test_deadlines_are_enforced() -> None:
+    """The hard deadline fails a scenario that hangs, rather than hanging the test run."""
+    from ._drivers import Hang
+
+    release = threading.Event()
+
+    async def hangs() -> None:
+        release.wait(5.0)  # blocks its thread, as a hung sync client would
+
+    started = time.monotonic()
+    with pytest.raises(Hang):
+        run_bounded("sync", hangs, deadline=0.2, on_hang=release.set)
+    assert time.monotonic() - started < 3.0
