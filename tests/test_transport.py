@@ -418,3 +418,17 @@ def test_new_connections_are_probed_and_failures_judged_either_way(server: Llama
     assert seen.completions_started == 2
     if pool is not None:
         assert type(pool._network_backend).__name__ == "SyncGuardedBackend"
+
+
+def test_the_probe_never_waits_longer_than_the_callers_read_timeout(server: LlamaServerEmulator) -> None:
+    """A caller with a 0.2 s read timeout is not kept 0.5 s per probe (the default probe deadline)."""
+    server.inject(Fault.NEVER_ANSWER_ACCEPT, count=None, hold=5.0)
+    policy = GuardPolicy(max_attempts=2, backoff=0.0, probe_timeout=0.5)
+    with (
+        httpx.Client(
+            transport=GuardTransport(policy=policy), base_url=server.url, timeout=httpx.Timeout(5, read=0.2)
+        ) as client,
+        pytest.raises(llama_guard.ProbeTimeout) as info,
+    ):
+        client.post(CHAT, json=BODY)
+    assert all("within 0.2 s" in line for line in info.value.history)  # type: ignore[attr-defined]

@@ -201,7 +201,12 @@ class RequestRun:
     # -- probing new connections ---------------------------------------------------------------------------------
 
     def next_probe_deadline(self) -> float:
-        return probe_deadline(self.failed_probes, first=self.policy.probe_timeout, cap=self.policy.probe_timeout_max)
+        deadline = probe_deadline(
+            self.failed_probes, first=self.policy.probe_timeout, cap=self.policy.probe_timeout_max
+        )
+        # The probe reads like any response: never wait longer than the caller's own read timeout allows.
+        caller_read = self.user_timeouts.get("read")
+        return deadline if caller_read is None else min(deadline, caller_read)
 
     def probe_answered(self, seconds: float) -> None:
         self.stats.record_probe(seconds, answered=True)
