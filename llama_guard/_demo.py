@@ -11,17 +11,14 @@ Two scenarios, each with plain httpx and with the guard, against a fresh in-proc
 
 from __future__ import annotations
 
-import itertools
-import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TextIO
 
 import httpx
 
+from ._load import LoadRow, proxy_load, run_threads, send_one
 from ._sync_transport import GuardTransport
 from .testing import LlamaServerEmulator, burst_transport, open_burst
 
@@ -31,51 +28,12 @@ CHAT = "/v1/chat/completions"
 THINK_TIME = 0.1
 
 
-@dataclass
-class DemoRow:
-    """One line of the demo's table."""
-
-    scenario: str
-    client: str
-    requests: int = 0
-    errors: int = 0
-    stuck: int = 0
-    first_bytes: list[float] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def record(self, first_byte: float | None) -> None:
-        with self.lock:
-            self.requests += 1
-            if first_byte is None:
-                self.errors += 1
-            else:
-                self.first_bytes.append(first_byte)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.first_bytes) if self.first_bytes else 0.0
-
-    @property
-    def maximum(self) -> float:
-        return max(self.first_bytes) if self.first_bytes else 0.0
+#: The demo's rows are the shared load's rows (kept under this name for the demo's callers).
+DemoRow = LoadRow
 
 
 def _body(index: int, stream: bool) -> dict[str, object]:
     return {"messages": [{"role": "user", "content": f"request {index}"}], "stream": stream, "max_tokens": 4}
-
-
-def _one(client: httpx.Client, index: int, stream: bool, row: DemoRow, timeout: float | None = None) -> bool:
-    started = time.monotonic()
-    try:
-        request_timeout: float | httpx.Timeout = client.timeout if timeout is None else timeout
-        with client.stream("POST", CHAT, json=_body(index, stream), timeout=request_timeout) as response:
-            first_byte = time.monotonic() - started
-            response.read()
-        row.record(first_byte if response.status_code == 200 else None)
-        return response.status_code == 200
-    except httpx.HTTPError:
-        row.record(None)
-        return False
 
 
 def _proxy_load(guarded: bool, requests: int) -> DemoRow:
@@ -85,13 +43,7 @@ def _proxy_load(guarded: bool, requests: int) -> DemoRow:
         inner = httpx.HTTPTransport(limits=limits)
         transport: httpx.BaseTransport = GuardTransport(inner) if guarded else inner
         with httpx.Client(transport=transport, base_url=server.url, timeout=10.0) as client:
-            counter = itertools.count()
-
-            def worker() -> None:
-                while (index := next(counter)) < requests:
-                    _one(client, index, index % 2 == 1, row)
-
-            _run_threads([worker] * 16)
+            proxy_load(client, row, requests=requests, workers=16, path=CHAT, body_for=lambda i: _body(i, i % 2 == 1))
     return row
 
 
@@ -114,7 +66,8 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
             def run() -> None:
                 client, index = opened[number], 0
                 while time.monotonic() < stop_at:
-                    if not _one(client, index, False, row, timeout=max(stop_at - time.monotonic(), 0.1)):
+                    remaining = max(stop_at - time.monotonic(), 0.1)
+                    if not send_one(client, CHAT, _body(index, False), row, timeout=remaining):
                         break
                     answered[number] = True
                     index += 1
@@ -126,20 +79,12 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
             return run
 
         try:
-            _run_threads([client_job(number) for number in range(clients)])
+            run_threads([client_job(number) for number in range(clients)])
         finally:
             for client in opened:
                 client.close()
         row.stuck = answered.count(False)
     return row
-
-
-def _run_threads(jobs: list[Callable[[], None]]) -> None:
-    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 def format_table(rows: list[DemoRow]) -> str:

@@ -7,7 +7,6 @@ its children included. The command replaces this process (exec), so signals and 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -15,25 +14,9 @@ from collections.abc import Mapping, Sequence
 from ._environment import BOOTSTRAP_DIRECTORY, ORIGINS_VARIABLE, origins_from_text
 from ._install import _normalise_install_origins
 
-__all__ = ["add_run_command", "run"]
+__all__ = ["run"]
 
 COMMAND_NOT_FOUND = 127  # the shell's status for a command that cannot be found
-
-
-def add_run_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = commands.add_parser(
-        "run",
-        help="run a program with every httpx/httpx2 client in it guarded (no code change)",
-        description="Runs COMMAND with llama_guard.install() active in its Python processes, through PYTHONPATH. "
-        f"Origins come from --origins, else from ${ORIGINS_VARIABLE}, else 'auto' (servers that identify as "
-        "llama.cpp). Example: llama-guard run --origins http://127.0.0.1:8080 -- python app.py",
-    )
-    parser.add_argument(
-        "--origins",
-        metavar="ORIGINS",
-        help=f"'auto' or comma-separated origins such as http://127.0.0.1:8080 (default: ${ORIGINS_VARIABLE} or auto)",
-    )
-    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the program to run")
 
 
 def run(command: Sequence[str], *, origins: str | None, environ: Mapping[str, str] | None = None) -> int:

@@ -1,4 +1,6 @@
-"""The llama-guard command: the demo end to end, and clear errors for bad arguments."""
+"""The llama-guard command: the demo end to end, every command's help, and clear errors for bad arguments.
+
+doctor and watch are driven end to end in tests/test_doctor.py and tests/test_watch.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import sys
 
 import pytest
 
-from llama_guard._cli import main
+from llama_guard._cli import COMMANDS, main
 from llama_guard._demo import demo_rows, format_table
 
 
@@ -37,9 +39,49 @@ def test_python_m_llama_guard_help() -> None:
     assert "built-in" in result.stdout
 
 
-@pytest.mark.parametrize("argv", [["demo", "--requests", "0"], ["demo", "--seconds", "-1"], ["nonsense"]])
-def test_bad_arguments_are_clear_errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_every_command() -> None:
+    result = subprocess.run([sys.executable, "-m", "llama_guard", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert set(COMMANDS) == {"demo", "doctor", "watch", "run"}
+    for name in COMMANDS:
+        assert f"    {name} " in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize(
+    ("command", "phrases"),
+    [
+        ("doctor", ["exit status: 0 no defect found, 1 affected by a defect, 2 could not run", "--burst N"]),
+        ("watch", ["exit status: 0 nothing found, 1 a stall or a risk, 2 could not run", "--stall-seconds"]),
+    ],
+)
+def test_command_help_documents_exit_status(command: str, phrases: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines to the terminal
+    for phrase in phrases:
+        assert phrase in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["demo", "--requests", "0"], "must be a whole number >= 1"),
+        (["demo", "--seconds", "-1"], "must be a number of seconds > 0"),
+        (["nonsense"], "invalid choice"),
+        (["doctor"], "the following arguments are required: URL"),
+        (["doctor", "http://127.0.0.1:8080", "--requests", "-1"], "must be a whole number >= 0"),
+        (["doctor", "http://127.0.0.1:8080", "--timeout", "0"], "must be a number of seconds > 0"),
+        (["doctor", "http://127.0.0.1:8080", "--burst", "many"], "invalid"),
+        (["watch", "--watch", "0"], "must be a number of seconds > 0"),
+        (["watch", "--pid", "0"], "must be a whole number >= 1"),
+        (["watch", "--port", "65536"], "must be a TCP port from 1 to 65535"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
-    assert "error:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error:" in err
+    assert message in err

@@ -1,0 +1,48 @@
+"""llama.cpp build numbers: read them from ``/props`` or ``--version``, and compare with the pool fix (no I/O).
+
+llama-server reports its build as ``build_info`` in ``GET /props`` (``b11434-1a2b3c4d``: ``b``, the build number,
+the commit) and prints it with ``--version``. Builds made from a source archive without git (PyPI's sdist, some
+distribution packages) know neither: they say ``b0-unknown``, and ``--version`` prints ``build 0, commit unknown``.
+Such a build number tells nothing, so callers get None for it and must judge by behaviour.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["FIRST_FIXED_BUILD", "build_number", "has_pool_defect", "version_build_info"]
+
+#: The first llama.cpp build whose cpp-httplib thread pool starts the threads a burst of connections needs.
+FIRST_FIXED_BUILD = 11737
+
+_BUILD_INFO = re.compile(r"^b(\d+)(?:-|$)")
+# "version: 0.6.0-dev (build 11434, commit 1a2b3c4d)" (recent) and "version: 4589 (1d1e6a90)" (older builds).
+_VERSION_NEW = re.compile(r"^version: .*\(build (\d+), commit ([^)\s]*)\)", re.MULTILINE)
+_VERSION_OLD = re.compile(r"^version: (\d+) \(([^)\s]*)\)", re.MULTILINE)
+
+
+def build_number(build_info: str | None) -> int | None:
+    """``b11434-1a2b3c4d`` -> 11434; None when absent, malformed or ``b0`` (a build that does not know itself)."""
+    if not build_info:
+        return None
+    match = _BUILD_INFO.match(build_info.strip())
+    if match is None:
+        return None
+    number = int(match.group(1))
+    return number if number > 0 else None
+
+
+def version_build_info(output: str) -> str | None:
+    """The ``build_info`` string (``b4589-1d1e6a90``) that ``llama-server --version`` printed, or None."""
+    for pattern in (_VERSION_NEW, _VERSION_OLD):
+        match = pattern.search(output)
+        if match is not None:
+            return f"b{match.group(1)}-{match.group(2)}"
+    return None
+
+
+def has_pool_defect(number: int | None) -> bool | None:
+    """True for builds before the fix, False from it on, None when the build is unknown."""
+    if number is None:
+        return None
+    return number < FIRST_FIXED_BUILD

@@ -1,0 +1,118 @@
+"""A proxy-like load on one shared httpx client, shared by ``llama-guard demo`` and ``llama-guard doctor``.
+
+Many worker threads share one client with a small pool, as a web application or a proxy in front of
+llama-server does; every second request is streamed. That is the pattern that loses requests to llama-server's
+stream defect: a stream's connection goes back to the pool just before the server closes it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+__all__ = ["LoadRow", "proxy_load", "run_threads", "send_one"]
+
+
+@dataclass
+class LoadRow:
+    """What one client saw: requests, failures and first-byte latencies."""
+
+    scenario: str
+    client: str
+    requests: int = 0
+    errors: int = 0
+    stuck: int = 0
+    first_bytes: list[float] = field(default_factory=list)
+    #: Failures by kind: the httpx exception's name and message, or ``HTTP 503`` for an error answer.
+    error_kinds: dict[str, int] = field(default_factory=dict)
+    #: One entry per request: (seconds since the load began, first-byte seconds or None if it failed, streamed).
+    timeline: list[tuple[float, float | None, bool]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(
+        self, first_byte: float | None, error: str | None = None, *, at: float = 0.0, stream: bool = False
+    ) -> None:
+        with self.lock:
+            self.requests += 1
+            self.timeline.append((at, first_byte if error is None else None, stream))
+            if first_byte is None or error is not None:
+                self.errors += 1
+                kind = error or "no answer"
+                self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
+            else:
+                self.first_bytes.append(first_byte)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.first_bytes) if self.first_bytes else 0.0
+
+    @property
+    def maximum(self) -> float:
+        return max(self.first_bytes) if self.first_bytes else 0.0
+
+
+def send_one(
+    client: httpx.Client,
+    path: str,
+    body: dict[str, object],
+    row: LoadRow,
+    *,
+    timeout: float | None = None,
+    origin: float | None = None,
+) -> bool:
+    """One request, read to its end; recorded in ``row``. True when it was answered with 200."""
+    started = time.monotonic()
+    at = started - origin if origin is not None else 0.0
+    stream = body.get("stream") is True
+    try:
+        request_timeout: float | httpx.Timeout = client.timeout if timeout is None else timeout
+        with client.stream("POST", path, json=body, timeout=request_timeout) as response:
+            first_byte = time.monotonic() - started
+            response.read()
+    except httpx.HTTPError as exc:
+        # The message tells causes apart that share a type: "Server disconnected" (a connection the server
+        # closed) from "Bad file descriptor" (httpcore's own pool race between threads).
+        kind = f"{type(exc).__name__}: {str(exc).rstrip('.')}" if str(exc) else type(exc).__name__
+        row.record(None, kind[:100], at=at, stream=stream)
+        return False
+    ok = response.status_code == 200
+    row.record(first_byte, None if ok else f"HTTP {response.status_code}", at=at, stream=stream)
+    return ok
+
+
+def proxy_load(
+    client: httpx.Client,
+    row: LoadRow,
+    *,
+    requests: int,
+    workers: int,
+    path: str,
+    body_for: Callable[[int], dict[str, object]],
+    deadline: float | None = None,
+) -> None:
+    """``requests`` requests from ``workers`` threads sharing ``client``; no new request after ``deadline``
+    (a time.monotonic() value), so a slow server cannot stretch the load without bound."""
+    counter = itertools.count()
+    origin = time.monotonic()
+
+    def worker() -> None:
+        while (index := next(counter)) < requests:
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            send_one(client, path, body_for(index), row, origin=origin)
+
+    run_threads([worker] * workers)
+
+
+def run_threads(jobs: list[Callable[[], None]]) -> None:
+    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

@@ -1,0 +1,523 @@
+"""``llama-guard doctor``: the verdict rules as tables, then the command against the emulator in its faulty and
+fixed modes (verdicts, exit codes, JSON, report), and against bad input (one line, exit 2, no traceback)."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import io
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+
+import pytest
+
+from llama_guard._cli import main
+from llama_guard._doctor import DoctorOptions, run_doctor
+from llama_guard._doctor_model import (
+    AFFECTED,
+    COULD_NOT_TELL,
+    NOT_AFFECTED,
+    BurstCheck,
+    BurstRound,
+    DoctorError,
+    Identity,
+    KeepAliveCheck,
+    Target,
+    parse_target,
+)
+from llama_guard._doctor_verdict import (
+    LoadShape,
+    exit_code,
+    load_evidence,
+    nonstream_finding,
+    pool_finding,
+    stream_finding,
+)
+from llama_guard._load import LoadRow
+from llama_guard.testing import LlamaServerEmulator, free_port
+
+# -- the rules, as tables --------------------------------------------------------------------------------------------
+
+KEEP = {"status": 200, "keep_alive_header": "timeout=5, max=100", "connection_header": None}
+
+
+@pytest.mark.parametrize(
+    ("check", "status", "phrase"),
+    [
+        pytest.param(
+            KeepAliveCheck(True, chunked=True, after="eof", closed_after=0.00003, **KEEP),
+            AFFECTED,
+            "closed the connection 0.0 ms after the last byte",
+            id="keep-alive announced, closed at once: the defect",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, chunked=True, after="reset", closed_after=0.002, **KEEP),
+            AFFECTED,
+            "reset the connection 2.0 ms",
+            id="a reset counts as a close",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, after="open", reuse="answered 200", **KEEP),
+            NOT_AFFECTED,
+            "second request on it was answered 200",
+            id="kept and reused: fixed",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, after="open", reuse="GET /health failed: reset", **KEEP),
+            AFFECTED,
+            "a second request on it failed",
+            id="kept a while, then lost the next request",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, status=200, connection_header="close", after=None),
+            NOT_AFFECTED,
+            "'Connection: close'",
+            id="an honest close",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, error="cannot connect to h:1: connection refused"),
+            COULD_NOT_TELL,
+            "connection refused",
+            id="no answer",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, status=401, server_message="Invalid API Key"),
+            COULD_NOT_TELL,
+            "answered 401 (Invalid API Key)",
+            id="an error answer",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, after="data", **KEEP),
+            COULD_NOT_TELL,
+            "belong to no request",
+            id="stray bytes",
+        ),
+    ],
+)
+def test_stream_verdicts(check, status, phrase):
+    finding = stream_finding(check, ("pooled load: ...",))
+    assert finding.status == status
+    assert phrase in finding.evidence[0]
+    assert finding.evidence[-1] == "pooled load: ..."
+    assert (finding.fix is not None) == (status == AFFECTED)
+    if status == AFFECTED:
+        assert "llama_guard.GuardTransport" in finding.fix
+
+
+@pytest.mark.parametrize(
+    ("check", "status"),
+    [
+        (KeepAliveCheck(False, after="open", reuse="answered 200", **KEEP), NOT_AFFECTED),
+        (KeepAliveCheck(False, after="eof", closed_after=0.001, **KEEP), AFFECTED),
+        (KeepAliveCheck(False, after="open", reuse="timed out", **KEEP), AFFECTED),
+        (KeepAliveCheck(False, status=200, connection_header="close"), NOT_AFFECTED),
+        (KeepAliveCheck(False, error="timeout"), COULD_NOT_TELL),
+    ],
+)
+def test_nonstream_verdicts(check, status):
+    assert nonstream_finding(check).status == status
+
+
+def _identity(build):
+    from llama_guard._llama_build import build_number
+
+    return Identity("llama.cpp", build, build_number(build), "m", 4)
+
+
+STALL = BurstRound((0.001, 0.002, None, None), window=3.0)
+CLEAN = BurstRound((0.001, 0.002, 0.003, 0.004), window=3.0)
+
+
+@pytest.mark.parametrize(
+    ("build", "burst", "status", "phrase"),
+    [
+        ("b11434-abc", None, AFFECTED, "predates the thread-pool fix"),
+        ("b11800-abc", None, NOT_AFFECTED, "includes the thread-pool fix"),
+        ("b0-unknown", None, COULD_NOT_TELL, "--burst 32"),
+        (None, None, COULD_NOT_TELL, "not reported"),
+        ("b0-unknown", BurstCheck(4, (STALL,)), AFFECTED, "2 of 4 connections opened at once got no answer"),
+        ("b11800-abc", BurstCheck(4, (CLEAN, STALL)), AFFECTED, "2 of 4"),  # behaviour beats the build
+        # A clean burst does not rule a race out: the build decides, and an unknown one cannot.
+        ("b11434-abc", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), AFFECTED, "a clean burst does not rule it out"),
+        ("b11800-abc", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), NOT_AFFECTED, "all 4 connections of 3 burst(s)"),
+        ("b0-unknown", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), COULD_NOT_TELL, "assume it is affected"),
+        ("b0-unknown", BurstCheck(4, (), error="refused"), COULD_NOT_TELL, "could not run: refused"),
+        ("b11434-abc", BurstCheck(4, (), error="refused"), AFFECTED, "predates"),
+    ],
+)
+def test_pool_verdicts(build, burst, status, phrase):
+    finding = pool_finding(_identity(build), burst)
+    assert finding.status == status
+    assert any(phrase in line for line in finding.evidence), finding.evidence
+    if status == AFFECTED:
+        assert "b11737" in finding.fix
+        assert "--threads-http" in finding.fix
+
+
+def test_exit_code_is_1_only_when_something_is_affected():
+    healthy = stream_finding(KeepAliveCheck(True, after="open", reuse="answered 200", **KEEP))
+    unknown = pool_finding(_identity("b0-unknown"), None)
+    sick = stream_finding(KeepAliveCheck(True, after="eof", closed_after=0.0, **KEEP))
+    assert exit_code([healthy, unknown]) == 0
+    assert exit_code([healthy, unknown, sick]) == 1
+
+
+def test_load_evidence_tells_httpcores_own_race_from_the_server():
+    plain = LoadRow("pooled load", "plain httpx")
+    guard = LoadRow("pooled load", "guard")
+    for _ in range(3):
+        guard.record(0.01)
+        plain.record(0.01)
+    plain.record(None, "RemoteProtocolError: Server disconnected without sending a response")
+    plain.record(None, "ReadError: [Errno 9] Bad file descriptor")
+    (line,) = load_evidence(plain, guard, LoadShape(8, 4))
+    assert "plain httpx lost 2 of 5 (40.0%): 1 ReadError: [Errno 9] Bad file descriptor, 1 RemoteProtocolError" in line
+    assert "the guard lost 0 of 3 (0.0%)" in line
+    assert "httpcore's own race" in line
+    plain.error_kinds.pop("ReadError: [Errno 9] Bad file descriptor")
+    assert "httpcore" not in load_evidence(plain, guard, LoadShape(8, 4))[0]
+    assert load_evidence(None, guard, LoadShape(8, 4)) == ()
+
+
+@pytest.mark.parametrize(
+    ("url", "target"),
+    [
+        ("http://127.0.0.1:8080", Target("127.0.0.1", 8080)),
+        ("http://127.0.0.1:8080/", Target("127.0.0.1", 8080)),
+        ("127.0.0.1:8080", Target("127.0.0.1", 8080)),
+        ("http://llm.local/api/", Target("llm.local", 80, "/api")),
+        ("http://[::1]:9000", Target("::1", 9000)),
+    ],
+)
+def test_urls(url, target):
+    assert parse_target(url) == target
+
+
+@pytest.mark.parametrize(
+    ("url", "phrase"),
+    [
+        ("https://127.0.0.1:8080", "only http:// is supported"),
+        ("ftp://host", "only http:// is supported"),
+        ("http://127.0.0.1:99999", "Port out of range"),
+        ("http://:8080", "no host"),
+        ("http://127.0.0.1:8080/?x=1", "no user, query or fragment"),
+    ],
+)
+def test_bad_urls(url, phrase):
+    with pytest.raises(DoctorError, match="expected http://HOST") as info:
+        parse_target(url)
+    assert phrase in str(info.value)
+
+
+# -- against the emulator ---------------------------------------------------------------------------------------
+
+
+def doctor(url: str, *extra: str, **options) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    options.setdefault("timeout", 5.0)
+    options.setdefault("requests", 60)
+    code = run_doctor(DoctorOptions(url, **options), out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def by_defect(document):
+    return {item["defect"]: item for item in document["findings"]}
+
+
+def test_the_faulty_emulator_is_affected_by_both_defects():
+    # A 20 ms delay before the close (llama-server closes at once) lets plain httpx reuse the dying connection
+    # often enough on loopback for the load to show losses in a short run.
+    with LlamaServerEmulator(stream_close_delay=0.02) as server:
+        code, out, err = doctor(server.url, json=True, burst=16, timeout=3.0)
+        document = json.loads(out)
+        stalled = document["burst"]["rounds"][-1]["stalled"]
+        # The server's side of the story: it closed after streams, and left the burst's connections unread
+        # (counted when a thread picks them up at last, which is after doctor closed them).
+        stats = server.wait_for(lambda s: s.connections_waited_unread(threshold=1.0) >= stalled > 0, timeout=10)
+    findings = by_defect(document)
+    assert code == 1
+    assert document["exit_code"] == 1
+    assert findings["stream-close"]["status"] == "affected"
+    assert findings["nonstream-keepalive"]["status"] == "not_affected"
+    assert findings["unread-first-request"]["status"] == "affected"
+    assert document["server"]["build_info"] == "b11434-emulated"
+    assert document["server"]["build_has_pool_defect"] is True
+    stream = document["checks"]["stream"]
+    assert (stream["status"], stream["after"], stream["chunked"]) == (200, "eof", True)
+    assert stream["keep_alive_header"] == "timeout=5, max=100"
+    assert 0.0 <= stream["closed_after"] < 1.0
+    assert document["checks"]["nonstream"]["reuse"] == "answered 200"
+    load = document["load"]
+    assert load["plain"]["requests"] == load["guard"]["requests"] == 60
+    # The defect, seen by a pooled client: requests written to a connection the server was closing.
+    assert any(kind.startswith("RemoteProtocolError: Server disconnected") for kind in load["plain"]["error_kinds"])
+    assert load["guard"]["errors"] == 0, load  # and the fix
+    assert len(document["burst"]["rounds"][-1]["first_bytes"]) == 16
+    assert stats.streams_closed_after_done >= 1
+    assert "[6/6] burst" in err  # progress on the terminal
+
+
+# What plain httpx loses to httpcore's own pool race (threads sharing one client), whatever the server does: a
+# socket closed under a reader ("Bad file descriptor"), or a read that then waits for nothing until its timeout.
+POOL_RACE = {"ReadError: [Errno 9] Bad file descriptor", "ReadTimeout: timed out"}
+
+
+def test_the_fixed_emulator_is_not_affected():
+    # The emulator of a fixed build: streams keep their connection, the pool starts the threads a burst needs, and
+    # it reports a build from the fix on (by default it says b11434 whatever it models).
+    with LlamaServerEmulator(close_after_stream=False, pool_bug=False, build="b11737-emulated") as server:
+        code, out, _ = doctor(server.url, json=True, burst=16, timeout=3.0)
+    document = json.loads(out)
+    findings = by_defect(document)
+    assert code == 0, findings
+    assert {item["status"] for item in findings.values()} == {"not_affected"}
+    assert document["checks"]["stream"]["after"] == "open"
+    assert document["checks"]["stream"]["reuse"] == "answered 200"
+    assert set(document["load"]["plain"]["error_kinds"]) <= POOL_RACE  # nothing of the server's doing
+    assert document["load"]["guard"]["errors"] == 0
+    assert all(item["stalled"] == 0 for item in document["burst"]["rounds"])
+    assert len(document["burst"]["rounds"]) == 3  # a clean burst is repeated: the defect is a race
+    assert any("all 16 connections of 3 burst(s)" in line for line in findings["unread-first-request"]["evidence"])
+
+
+def test_a_clean_burst_does_not_clear_a_build_that_has_the_defect():
+    """The fixed pool under the build string of an affected one: the clean bursts are reported, the build wins."""
+    with LlamaServerEmulator(close_after_stream=False, pool_bug=False) as server:  # says b11434-emulated
+        code, out, _ = doctor(server.url, json=True, requests=0, burst=8)
+    finding = by_defect(json.loads(out))["unread-first-request"]
+    assert code == 1
+    assert finding["status"] == "affected"
+    assert any("a clean burst does not rule it out" in line for line in finding["evidence"])
+
+
+@pytest.mark.parametrize(
+    ("build", "status", "code"),
+    [("b11800-emulated", "not_affected", 0), ("b0-unknown", "could_not_tell", 0), ("b11434-x", "affected", 1)],
+)
+def test_without_a_burst_the_build_decides(build, status, code):
+    with LlamaServerEmulator(close_after_stream=False, pool_bug=False, build=build) as server:
+        result, out, _ = doctor(server.url, json=True, requests=0)
+    document = json.loads(out)
+    assert result == code
+    assert by_defect(document)["unread-first-request"]["status"] == status
+    assert document["load"] is None
+    assert document["burst"] is None
+
+
+def test_text_output_names_verdicts_evidence_and_fix():
+    with LlamaServerEmulator() as server:
+        code, out, err = doctor(server.url, requests=20, max_tokens=2)
+    assert code == 1
+    lines = out.splitlines()
+    assert lines[0] == f"llama-guard doctor {server.url}"
+    assert lines[1].startswith("server: llama.cpp, build b11434-emulated = b11434, model emulated-model.gguf")
+    assert any(line.startswith("AFFECTED        streamed responses close") for line in lines)
+    assert any(line.startswith("not affected    non-streamed responses") for line in lines)
+    assert "fix: wrap your client with llama_guard" in out
+    assert lines[-1].startswith("result: affected: stream-close, unread-first-request (exit status 1;")
+    assert err.splitlines()[0].startswith("[1/5] identity")
+
+
+def test_the_api_key_is_sent_and_never_shown():
+    with LlamaServerEmulator() as server:
+        code, out, err = doctor(server.url, json=True, requests=4, api_key="sk-secret-123")
+    assert code == 1
+    assert "sk-secret-123" not in out + err
+
+
+def test_html_report(tmp_path):
+    report = tmp_path / "doctor.html"
+    with LlamaServerEmulator(stream_close_delay=0.02) as server:
+        code, _, err = doctor(server.url, burst=16, report=report, timeout=3.0)
+    assert code == 1
+    assert f"report written to {report}" in err
+    text = report.read_text("utf-8")
+    assert text.startswith("<!DOCTYPE html>")
+    assert text.count("<svg") == 2  # the burst and the load
+    assert "affected" in text
+    assert "Burst: 16 connections opened at once" in text
+    svgs = [text[start : text.index("</svg>", start) + 6] for start in _all(text, "<svg")]
+    for svg in svgs:
+        ET.fromstring(svg)  # well-formed
+    # every connection of the burst has a mark: a dot (answered) or a cross (no answer)
+    burst_svg = svgs[0]
+    assert burst_svg.count("<circle") - 1 + burst_svg.count("<path") >= 16  # minus the legend dot
+
+
+def _all(text: str, needle: str) -> list[int]:
+    found, start = [], text.find(needle)
+    while start >= 0:
+        found.append(start)
+        start = text.find(needle, start + 1)
+    return found
+
+
+def test_png_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = tmp_path / "doctor.png"
+    with LlamaServerEmulator() as server:
+        code, _, _ = doctor(server.url, requests=10, burst=16, report=report)
+    assert code == 1
+    assert report.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+# -- bad input: one line, exit 2 ------------------------------------------------------------------------------------
+
+
+class _NotLlama(http.server.BaseHTTPRequestHandler):
+    """An ordinary web server: 404 for everything."""
+
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _LockedLlama(_NotLlama):
+    """A llama-server with --api-key: /health is public, /props is not."""
+
+    def do_GET(self) -> None:
+        body = b'{"status":"ok"}' if self.path == "/health" else b'{"error":{"message":"Invalid API Key"}}'
+        self.send_response(200 if self.path == "/health" else 401)
+        self.send_header("Server", "llama.cpp")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@contextlib.contextmanager
+def web_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def silent_server() -> Iterator[str]:
+    """Accepts connections (the kernel does, from its backlog) and never reads or answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def _one_line_error(code: int, err: str, phrase: str) -> None:
+    """Exit 2 and one line that says what was wrong, after the progress lines (``[1/5] ...``) if any."""
+    assert code == 2
+    *progress, last = err.splitlines()
+    assert all(line.startswith("[") for line in progress), err
+    assert last.startswith("llama-guard doctor: ")
+    assert phrase in last, err
+    assert "Traceback" not in err
+
+
+def test_unreachable_port():
+    started = time.monotonic()
+    code, out, err = doctor(f"http://127.0.0.1:{free_port()}")
+    _one_line_error(code, err, "connection refused")
+    assert out == ""
+    assert time.monotonic() - started < 5
+
+
+def test_not_a_llama_server():
+    with web_server(_NotLlama) as url:
+        code, _, err = doctor(url)
+    _one_line_error(code, err, "does not look like llama-server")
+    assert "GET /health answered 404" in err
+
+
+def test_a_server_that_never_answers_times_out():
+    started = time.monotonic()
+    with silent_server() as url:
+        code, _, err = doctor(url, timeout=1.0)
+    _one_line_error(code, err, "accepted the connection but sent no complete answer to GET /health within 1 s")
+    assert time.monotonic() - started < 5
+
+
+def test_a_server_that_wants_an_api_key():
+    with web_server(_LockedLlama) as url:
+        code, _, err = doctor(url)
+    _one_line_error(code, err, "wants an API key (GET /props answered 401); pass --api-key")
+
+
+def test_a_loading_server():
+    with LlamaServerEmulator(loading=True) as server:
+        code, _, err = doctor(server.url)
+    _one_line_error(code, err, "is not ready (GET /health answered 503: Loading model)")
+
+
+def test_errors_are_json_too_with_json():
+    code, out, err = doctor(f"http://127.0.0.1:{free_port()}", json=True)
+    _one_line_error(code, err, "connection refused")
+    document = json.loads(out)
+    assert document["exit_code"] == 2
+    assert "connection refused" in document["error"]
+
+
+@pytest.mark.parametrize(
+    ("report", "phrase"),
+    [("report.txt", "must end in .html or .png"), ("missing/report.html", "does not exist")],
+)
+def test_bad_report_paths_fail_before_any_check(tmp_path, report, phrase):
+    # The URL is unreachable: the report's problem must be found first, without trying the server.
+    code, _, err = doctor(f"http://127.0.0.1:{free_port()}", report=tmp_path / report)
+    _one_line_error(code, err, phrase)
+
+
+def test_python_m_llama_guard_doctor_has_no_traceback_on_bad_input():
+    for argv in (
+        [f"http://127.0.0.1:{free_port()}"],
+        ["https://example.invalid"],
+        ["http://127.0.0.1:1", "--report", "/nonexistent-folder/r.html"],
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "llama_guard", "doctor", *argv],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        _one_line_error(result.returncode, result.stderr, "")
+        assert result.stdout == ""
+
+
+def test_png_without_matplotlib_says_how_to_get_it(tmp_path):
+    # matplotlib absent, as on an install without it: None in sys.modules makes the import machinery say so.
+    script = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from llama_guard._cli import main\n"
+        f"sys.exit(main(['doctor', 'http://127.0.0.1:1', '--report', {str(tmp_path / 'r.png')!r}]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "needs matplotlib (pip install matplotlib)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_doctor_command_line(capsys):
+    with LlamaServerEmulator(close_after_stream=False, pool_bug=False, build="b11800-x") as server:
+        code = main(["doctor", server.url, "--requests", "0", "--json", "--quiet", "--timeout", "5"])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert captured.err == ""  # --quiet: no progress
+    assert json.loads(captured.out)["exit_code"] == 0
+
+
+def test_a_path_prefix_is_kept():
+    """A prefix in the URL (llama-server's --api-prefix, a reverse proxy) goes before every path. The emulator
+    has no prefix, so every request 404s: the error names the prefixed path."""
+    with LlamaServerEmulator() as server:
+        code, _, err = doctor(server.url + "/llm")
+    _one_line_error(code, err, "GET /llm/health answered 404 (no such path; is the path prefix '/llm' right?)")

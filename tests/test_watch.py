@@ -1,0 +1,614 @@
+"""``llama-guard watch``: the /proc parsers, the stall tracker and the risk rule as tables, then the command end
+to end against the emulator running as a real process, with real connections left unread by its pool defect."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from llama_guard._cli import main
+from llama_guard._llama_build import build_number, has_pool_defect, version_build_info
+from llama_guard._procnet import (
+    CLOSE_WAIT,
+    ESTABLISHED,
+    LISTEN,
+    Endpoint,
+    decode_address,
+    parse_tcp_table,
+    socket_inode,
+)
+from llama_guard._watch import WatchOptions, run_watch
+from llama_guard._watch_cmdline import Setting, is_llama_server, parse_server_command
+from llama_guard._watch_proc import read_sockets
+from llama_guard._watch_report import ServerView, assess, event_line
+from llama_guard._watch_stall import ConnectionKey, QueueSample, StallEvent, StallTracker
+from llama_guard.testing import open_burst
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: emu\r\n\r\n"
+
+# -- /proc/net/tcp -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "byteorder", "expected"),
+    [
+        ("0100007F:1F90", "little", Endpoint("127.0.0.1", 8080)),
+        ("7F000001:1F90", "big", Endpoint("127.0.0.1", 8080)),
+        ("00000000:0000", "little", Endpoint("0.0.0.0", 0)),
+        ("0101A8C0:D3A6", "little", Endpoint("192.168.1.1", 54182)),
+        ("00000000000000000000000001000000:0050", "little", Endpoint("::1", 80)),
+        ("00000000000000000000000000000000:1F90", "little", Endpoint("::", 8080)),
+        # An IPv4 client of a server listening on [::]: the kernel shows it IPv4-mapped; people write it as IPv4.
+        ("0000000000000000FFFF00000100007F:D3A6", "little", Endpoint("127.0.0.1", 54182)),
+        ("B80D0120000000000000000001000000:1F90", "little", Endpoint("2001:db8::1", 8080)),
+    ],
+)
+def test_addresses_decode_in_the_kernels_byte_order(text, byteorder, expected):
+    assert decode_address(text, byteorder=byteorder) == expected
+
+
+@pytest.mark.parametrize("text", ["0100007F", "0100007F:", "01007F:1F90", "0100007G:1F90", ""])
+def test_malformed_addresses_are_rejected(text):
+    with pytest.raises(ValueError):
+        decode_address(text, byteorder="little")
+
+
+TABLE = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:1F90 00000000:0000 0A 00000000:00000002 00:00000000 00000000  1000        0 482900 1 0 100 0 0 10 0
+   1: 0100007F:1F90 0100007F:D3A6 01 00000000:00000026 00:00000000 00000000  1000        0 482913 1 0 20 4 30 10 -1
+   2: 0100007F:1F90 0100007F:D3A8 08 00000000:00000026 00:00000000 00000000  1000        0 0 1 0 20 4 30 10 -1
+   3: 0100007F:D3A6 0100007F:1F90 01 0000001A:00000000 00:00000000 00000000     0        0 482912 1 0 20 4 30 10 -1
+"""
+
+
+def test_a_table_parses_into_sockets():
+    rows = parse_tcp_table(TABLE, byteorder="little")
+    assert [(row.state, row.rx_queue, row.tx_queue, row.inode, row.uid) for row in rows] == [
+        (LISTEN, 2, 0, 482900, 1000),
+        (ESTABLISHED, 0x26, 0, 482913, 1000),
+        (CLOSE_WAIT, 0x26, 0, 0, 1000),
+        (ESTABLISHED, 0, 0x1A, 482912, 0),
+    ]
+    assert rows[1].local == Endpoint("127.0.0.1", 8080)
+    assert rows[1].remote == Endpoint("127.0.0.1", 54182)
+    assert rows[2].state_name == "CLOSE_WAIT"
+
+
+def test_a_short_row_is_an_error_that_names_it():
+    with pytest.raises(ValueError, match="row 1 has 3 fields"):
+        parse_tcp_table("header\n 0: 0100007F:1F90 00000000:0000\n", byteorder="little")
+
+
+@pytest.mark.parametrize(
+    ("link", "inode"),
+    [("socket:[482913]", 482913), ("pipe:[12]", None), ("/dev/null", None), ("socket:[]", None), ("socket:[1x]", None)],
+)
+def test_fd_links_name_socket_inodes(link, inode):
+    assert socket_inode(link) == inode
+
+
+@pytest.mark.parametrize("family", [socket.AF_INET, socket.AF_INET6])
+def test_the_kernels_own_table_shows_unread_bytes_on_the_server_socket(family):
+    """Cross-check against the running kernel (the format, the byte order): a request this process sent and
+    did not read shows as the server side's Recv-Q, on the right addresses."""
+    host = "127.0.0.1" if family == socket.AF_INET else "::1"
+    with socket.socket(family) as listener:
+        listener.bind((host, 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with socket.create_connection((host, port), timeout=5) as client:
+            server_side, _ = listener.accept()
+            with server_side:
+                client.sendall(HEALTH)
+                client_port = client.getsockname()[1]
+                deadline = time.monotonic() + 5
+                while True:  # the bytes are in the queue once sendall returned on loopback; poll all the same
+                    rows = [
+                        row
+                        for row in read_sockets(Path("/proc"))
+                        if row.local == Endpoint(host, port) and row.remote.port == client_port
+                    ]
+                    if (rows and rows[0].rx_queue == len(HEALTH)) or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
+                assert len(rows) == 1
+                assert rows[0].state == ESTABLISHED
+                assert rows[0].rx_queue == len(HEALTH)
+                assert rows[0].remote == Endpoint(host, client_port)
+                assert rows[0].inode == os.fstat(server_side.fileno()).st_ino
+
+
+# -- command lines, builds ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "threads", "parallel", "port", "base"),
+    [
+        (["/opt/llama-server", "-m", "m.gguf"], {}, None, None, 8080, "max(4+4, cpus-1)"),
+        (["llama-server", "--threads-http", "2", "--port", "18089"], {}, 2, None, 18089, "2"),
+        (["llama-server", "-np", "8"], {}, None, 8, 8080, "max(8+4, cpus-1)"),
+        (["llama-server", "--parallel", "2", "--parallel", "3"], {}, None, 3, 8080, "max(3+4, cpus-1)"),
+        (["llama-server", "--parallel=6"], {}, None, 6, 8080, "max(6+4, cpus-1)"),
+        (["llama-server"], {"LLAMA_ARG_THREADS_HTTP": "12", "LLAMA_ARG_PORT": "9000"}, 12, None, 9000, "12"),
+        (["llama-server", "--threads-http", "3"], {"LLAMA_ARG_THREADS_HTTP": "12"}, 3, None, 8080, "3"),
+        (["llama-server", "--threads-http", "-1"], {}, -1, None, 8080, "max(4+4, cpus-1)"),
+        (["llama-server", "--threads-http", "lots"], {}, None, None, 8080, "max(4+4, cpus-1)"),
+        (["llama-server", "-np", "-1"], {}, None, -1, 8080, "max(4+4, cpus-1)"),
+    ],
+)
+@pytest.mark.parametrize("cpus", [2, 64])
+def test_llama_server_command_lines(argv, env, threads, parallel, port, base, cpus):
+    command = parse_server_command(argv, env, exe=None)
+    assert command.kind == "llama-server"
+    assert command.threads_http.value == threads
+    assert command.parallel.value == parallel
+    assert command.port.value == port
+    expected = {
+        "max(4+4, cpus-1)": max(8, cpus - 1),
+        "max(8+4, cpus-1)": max(12, cpus - 1),
+        "max(3+4, cpus-1)": max(7, cpus - 1),
+        "max(6+4, cpus-1)": max(10, cpus - 1),
+    }.get(base)
+    assert command.base_http_threads(cpus) == (expected if expected is not None else int(base))
+    assert str(command.base_http_threads(cpus)) in command.explain_base(cpus)
+
+
+def test_the_emulator_command_line_is_understood():
+    argv = [sys.executable, "-m", "llama_guard.testing", "--port", "0", "--http-threads", "2"]
+    command = parse_server_command(argv, {})
+    assert (command.kind, command.base_http_threads(64), command.build_info) == ("emulator", 2, "b11434-emulated")
+    fixed = parse_server_command([*argv, "--fixed-pool"], {})
+    assert fixed.build_info == "b11737-emulated"
+    assert parse_server_command([sys.executable, "-m", "llama_guard.testing"], {}).base_http_threads(64) == 4
+
+
+def test_other_processes_are_not_servers():
+    command = parse_server_command(["python3", "app.py", "--port", "80"], {"LLAMA_ARG_PORT": "1"})
+    assert command.kind == "other"
+    assert command.base_http_threads(8) is None
+    assert command.port == Setting(None, "unknown")
+
+
+@pytest.mark.parametrize(
+    ("argv", "exe", "expected"),
+    [
+        (["llama-server"], None, True),
+        (["/usr/local/bin/llama-server", "-m", "x"], "/usr/local/bin/llama-server", True),
+        (["server"], "/opt/llama.cpp/build/bin/llama-server (deleted)", True),
+        (["python3", "llama-server"], "/usr/bin/python3.11", False),
+        (["llama-server-wrapper.sh"], "/bin/bash", False),
+    ],
+)
+def test_llama_server_is_found_by_its_executables_name(argv, exe, expected):
+    assert is_llama_server(argv, exe) is expected
+
+
+@pytest.mark.parametrize(
+    ("info", "number"),
+    [("b11434-1a2b3c4d", 11434), ("b0-unknown", None), ("b11737", 11737), (None, None), ("", None), ("v1.2", None)],
+)
+def test_build_numbers(info, number):
+    assert build_number(info) == number
+
+
+@pytest.mark.parametrize(("number", "defect"), [(11434, True), (11736, True), (11737, False), (12000, False)])
+def test_the_pool_defect_by_build(number, defect):
+    assert has_pool_defect(number) is defect
+    assert has_pool_defect(None) is None
+
+
+@pytest.mark.parametrize(
+    ("output", "build"),
+    [
+        ("version: 0.6.0-dev (build 0, commit unknown)\nbuilt with GNU 12.2.0 for Linux x86_64\n", "b0-unknown"),
+        ("version: 0.7.1 (build 11800, commit 9f8e7d6c)\nbuilt with cc for x\n", "b11800-9f8e7d6c"),
+        ("version: 4589 (1d1e6a90)\nbuilt with cc (GCC) 13.2.0 for x86_64-linux-gnu\n", "b4589-1d1e6a90"),
+        ("error: unknown argument: --version\n", None),
+    ],
+)
+def test_version_output(output, build):
+    assert version_build_info(output) == build
+
+
+# -- the stall tracker ---------------------------------------------------------------------------------------------
+
+A = ConnectionKey(Endpoint("127.0.0.1", 8080), Endpoint("127.0.0.1", 50001))
+B = ConnectionKey(Endpoint("127.0.0.1", 8080), Endpoint("127.0.0.1", 50002))
+
+
+def _feed(tracker, steps):
+    """steps: (time, {key: (rx_queue, state)}) -> the events as (time, kind, key, seconds)."""
+    seen = []
+    for now, table in steps:
+        samples = {key: QueueSample(rx, state) for key, (rx, state) in table.items()}
+        seen += [(now, e.kind, e.key, round(e.seconds, 3), e.client_gave_up) for e in tracker.update(now, samples)]
+    return seen
+
+
+E, CW = ESTABLISHED, CLOSE_WAIT
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        pytest.param(
+            [(t, {A: (38, E)}) for t in range(7)],
+            [(5, "stalled", A, 5.0, False)],
+            id="unread for the threshold: one report, at the threshold",
+        ),
+        pytest.param(
+            [(0, {A: (38, E)}), (1, {A: (0, E)}), (2, {A: (38, E)}), (3, {A: (0, E)}), (4, {A: (38, E)})]
+            + [(t, {A: (38, E)}) for t in (5, 6, 7, 8, 9)],
+            [(9, "stalled", A, 5.0, False)],
+            id="a busy connection that gets read starts over each time",
+        ),
+        pytest.param(
+            [(t, {A: (38, E)}) for t in range(6)] + [(6, {A: (0, E)})],
+            [(5, "stalled", A, 5.0, False), (6, "read", A, 6.0, False)],
+            id="read at last",
+        ),
+        pytest.param(
+            [(t, {A: (38, E)}) for t in range(6)] + [(6, {A: (38, CW)}), (7, {})],
+            [(5, "stalled", A, 5.0, False), (7, "closed", A, 7.0, True)],
+            id="the client gives up, then the connection goes",
+        ),
+        pytest.param(
+            [(0, {A: (38, E)}), (2, {A: (76, E)}), (5, {A: (76, E)})],
+            [(5, "stalled", A, 5.0, False)],
+            id="a second request behind the first: still unread",
+        ),
+        pytest.param(
+            [(0, {A: (76, E)}), (2, {A: (38, E)}), (6, {A: (38, E)}), (7, {A: (38, E)})],
+            [(7, "stalled", A, 5.0, False)],
+            id="a shrinking queue was read: the clock restarts",
+        ),
+        pytest.param(
+            [
+                (0, {A: (38, E), B: (0, E)}),
+                (3, {A: (38, E), B: (10, E)}),
+                (5, {A: (38, E), B: (10, E)}),
+                (8, {A: (38, E), B: (10, E)}),
+            ],
+            [(5, "stalled", A, 5.0, False), (8, "stalled", B, 5.0, False)],
+            id="each connection has its own clock",
+        ),
+        pytest.param(
+            [(0, {A: (38, E)}), (4, {})],
+            [],
+            id="closed before the threshold: nothing to say",
+        ),
+    ],
+)
+def test_stall_tracking(steps, expected):
+    tracker = StallTracker(threshold=5.0)
+    assert _feed(tracker, steps) == expected
+
+
+def test_the_tracker_remembers_the_longest_wait():
+    tracker = StallTracker(threshold=2.0)
+    _feed(tracker, [(t, {A: (38, E)}) for t in range(10)])
+    assert tracker.stalled == {A: 9.0}
+    assert tracker.unread_now() == {A: 0}
+    with pytest.raises(ValueError, match="threshold must be > 0"):
+        StallTracker(threshold=0)
+
+
+def test_event_lines():
+    assert event_line(StallEvent("stalled", A, 38.2)) == (
+        "STALLED 127.0.0.1:8080<-127.0.0.1:50001: request unread for 38 s"
+    )
+    assert event_line(StallEvent("read", A, 12.0)).startswith("SERVED 127.0.0.1:8080<-127.0.0.1:50001")
+    six = ConnectionKey(Endpoint("::1", 8080), Endpoint("::1", 50001))
+    assert "gave up" in event_line(StallEvent("closed", six, 9.0, client_gave_up=True))
+    assert str(six) == "[::1]:8080<-[::1]:50001"
+
+
+# -- the risk rule --------------------------------------------------------------------------------------------------
+
+
+def _view(build, threads="2"):
+    command = parse_server_command(["llama-server", "--threads-http", threads], {})
+    return ServerView(4242, command, (Endpoint("127.0.0.1", 8080),), build, "--version")
+
+
+@pytest.mark.parametrize(
+    ("build", "connections", "risk"),
+    [
+        ("b11434-1a2b", 3, "risk"),
+        ("b11434-1a2b", 2, "ok"),
+        ("b11737-1a2b", 30, "ok"),
+        ("b0-unknown", 3, "possible"),
+        (None, 3, "possible"),
+        (None, 1, "ok"),
+    ],
+)
+def test_risk(build, connections, risk):
+    assessment = assess(_view(build), connections, cpus=2)
+    assert assessment.risk == risk
+    assert assessment.base_threads == 2
+    if risk == "risk":
+        assert "upgrade llama-server to b11737" in assessment.message
+
+
+def test_risk_is_unknown_without_settings():
+    view = ServerView(None, None, (Endpoint("0.0.0.0", 8080),), None, "process not readable")
+    assert assess(view, 50, cpus=2).risk == "unknown"
+
+
+# -- against a fake /proc: discovery without a server ----------------------------------------------------------------
+
+
+def _fake_proc(tmp_path: Path, *, exe_script: str | None = None) -> Path:
+    """A /proc with one llama-server (pid 4242, one base HTTP thread) listening on 127.0.0.1:8080, with two
+    established client connections and one whose client gave up."""
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "net" / "tcp").write_text(
+        TABLE + "   4: 0100007F:1F90 0100007F:D3B0 01 00000000:00000000 00:00000000 00000000  1000        0 482914 1\n"
+    )
+    fds = proc / "4242" / "fd"
+    fds.mkdir(parents=True)
+    for number, inode in enumerate((482900, 482913, 482914)):
+        os.symlink(f"socket:[{inode}]", fds / str(number))
+    os.symlink("/dev/null", fds / "9")
+    (proc / "4242" / "cmdline").write_bytes(b"llama-server\0--threads-http\0001\0--api-key\0s3cret\0")
+    (proc / "4242" / "environ").write_bytes(b"LLAMA_ARG_N_PARALLEL=2\0OPENAI_API_KEY=sk-nope\0")
+    if exe_script is not None:
+        exe = tmp_path / "bin" / "llama-server"
+        exe.parent.mkdir()
+        exe.write_text(exe_script)
+        exe.chmod(0o755)
+        os.symlink(exe, proc / "4242" / "exe")
+    (proc / "77").mkdir()
+    (proc / "77" / "cmdline").write_bytes(b"bash\0")
+    return proc
+
+
+def test_watch_finds_a_llama_server_and_flags_it_by_its_version(tmp_path):
+    script = "#!/bin/sh\necho 'version: 0.5.0 (build 11434, commit 1a2b3c4d)' >&2\n"
+    proc = _fake_proc(tmp_path, exe_script=script)
+    out, err = io.StringIO(), io.StringIO()
+    code = run_watch(WatchOptions(proc=proc), out=out, err=err)
+    text = out.getvalue()
+    assert code == 1, text + err.getvalue()
+    assert "llama-server pid 4242 on 127.0.0.1:8080" in text
+    assert "b11434-1a2b3c4d (from --version): has the pool defect" in text
+    assert "2 established" in text  # the CLOSE_WAIT one is not established
+    assert "2 with request bytes unread" in text  # an established one and one whose client gave up
+    assert "RISK" in text
+    assert "s3cret" not in text  # its command line holds a key: never printed
+
+
+def test_watch_json_from_a_fake_proc(tmp_path):
+    proc = _fake_proc(tmp_path, exe_script="#!/bin/sh\necho 'version: 0.6.0-dev (build 0, commit unknown)'\n")
+    out = io.StringIO()
+    assert run_watch(WatchOptions(proc=proc, json=True), out=out, err=io.StringIO()) == 0
+    document = json.loads(out.getvalue())
+    assert document["exit_code"] == 0
+    assert document["watch"] is None
+    (server,) = document["servers"]
+    assert server["pid"] == 4242
+    assert server["build_info"] == "b0-unknown"
+    assert server["build_number"] is None
+    assert server["base_http_threads"] == 1
+    assert server["parallel"] == 2  # from LLAMA_ARG_N_PARALLEL
+    assert server["connections"] == 2
+    assert server["risk"] == "possible"  # more connections than threads, but the build does not say: exit 0
+    assert "s3cret" not in out.getvalue()
+    assert "sk-nope" not in out.getvalue()
+
+
+def test_watch_without_a_server_is_a_clear_error(tmp_path):
+    proc = _fake_proc(tmp_path)
+    (proc / "4242" / "cmdline").write_bytes(b"nginx\0")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_watch(WatchOptions(proc=proc), out=out, err=err) == 2
+    assert err.getvalue().startswith("llama-guard watch: no running llama-server found")
+    assert err.getvalue().count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"pids": (999999999,)}, "no process with pid 999999999"),
+        ({"ports": (1,)}, "nothing listens on TCP port 1"),
+    ],
+)
+def test_watch_bad_targets_are_one_line_errors(options, message, capsys):
+    assert run_watch(WatchOptions(**options)) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"llama-guard watch: {message}\n"
+
+
+def test_watch_without_proc_net_tcp(tmp_path, capsys):
+    assert run_watch(WatchOptions(proc=tmp_path)) == 2
+    assert capsys.readouterr().err.startswith(f"llama-guard watch: cannot read {tmp_path}/net/tcp")
+
+
+# -- end to end: the emulator as a process ---------------------------------------------------------------------------
+
+
+@dataclass
+class Emulator:
+    process: subprocess.Popen[str]
+    port: int
+
+
+@contextlib.contextmanager
+def emulator_process(*args: str) -> Iterator[Emulator]:
+    """``python -m llama_guard.testing --port 0 ARGS`` in its own process; stopped (and reaped) at the end."""
+    command = [sys.executable, "-m", "llama_guard.testing", "--port", "0", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], 20)
+        line = process.stdout.readline() if ready else ""
+        match = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        assert match, f"the emulator did not start: {line!r}"
+        yield Emulator(process, int(match.group(1)))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+
+
+@dataclass
+class Watcher:
+    """``llama-guard watch`` as a process, its output lines timed as they come (since the process started)."""
+
+    process: subprocess.Popen[str]
+    started: float
+    lines: list[tuple[float, str]] = field(default_factory=list)
+    errors: list[tuple[float, str]] = field(default_factory=list)
+    readers: list[threading.Thread] = field(default_factory=list)
+
+    def finish(self, timeout: float) -> int:
+        code = self.process.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join(timeout=5)
+        return code
+
+    def start_reading(self) -> None:
+        def read(stream: io.TextIOBase | None, into: list[tuple[float, str]]) -> None:
+            assert stream is not None
+            for line in stream:
+                into.append((time.monotonic() - self.started, line.rstrip("\n")))
+
+        for stream, into in ((self.process.stdout, self.lines), (self.process.stderr, self.errors)):
+            self.readers.append(threading.Thread(target=read, args=(stream, into), daemon=True))
+            self.readers[-1].start()
+
+    @property
+    def watching_since(self) -> float:
+        """When it began to sample (its "watching ..." line): the interpreter's start-up is not watch's delay,
+        and on a busy 2-core machine it can take seconds."""
+        return next(at for at, line in self.errors if line.startswith("watching "))
+
+
+@contextlib.contextmanager
+def watcher(*args: str) -> Iterator[Watcher]:
+    """``python -m llama_guard watch ARGS``; killed (if still running) and reaped at the end."""
+    command = [sys.executable, "-m", "llama_guard", "watch", *args]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    running = Watcher(process, time.monotonic())
+    running.start_reading()
+    try:
+        yield running
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        for reader in running.readers:
+            reader.join(timeout=5)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _answered(socks: list[socket.socket], within: float, want: int | None = None) -> list[bool]:
+    """Which sockets have a response waiting: once ``want`` (default: all) have one, or after ``within`` s."""
+    deadline = time.monotonic() + within
+    answered = [False] * len(socks)
+    want = len(socks) if want is None else want
+    while True:
+        readable, _, _ = select.select([s for s, a in zip(socks, answered, strict=True) if not a], [], [], 0.05)
+        for sock in readable:
+            answered[socks.index(sock)] = True
+        if sum(answered) >= want or time.monotonic() >= deadline:
+            return answered
+
+
+@contextlib.contextmanager
+def burst(port: int, count: int) -> Iterator[list[socket.socket]]:
+    socks = open_burst("127.0.0.1", port, count)
+    try:
+        for sock in socks:
+            sock.sendall(HEALTH)
+        yield socks
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# The emulator's served connections are held by their threads for the keep-alive timeout; a long one stands for
+# busy clients, so the queued connections stay unread for the whole test (as with a real pool in use).
+BUGGY = ("--http-threads", "2", "--keepalive-timeout", "60")
+
+
+def test_watch_reports_a_stalled_connection_within_10_seconds():
+    with emulator_process(*BUGGY) as server, burst(server.port, 6) as socks:
+        answered = _answered(socks, within=5.0, want=2)  # the 2 pool threads serve 2; the defect leaves 4 unread
+        unread = {sock.getsockname()[1] for sock, done in zip(socks, answered, strict=True) if not done}
+        assert len(unread) == 4, answered
+        with watcher("--port", str(server.port), "--watch", "10") as running:
+            code = running.finish(timeout=25)
+        stalled = [(at - running.watching_since, line) for at, line in running.lines if line.startswith("STALLED")]
+        reported = {int(re.search(r"<-127\.0\.0\.1:(\d+):", line).group(1)) for _, line in stalled}
+        assert reported == unread, running.lines
+        assert all(at < 10.0 for at, _ in stalled), stalled  # found within 10 s of starting to watch
+        for _, line in stalled:
+            # 5 s: the sample that crossed the threshold (a late one, on a loaded machine, may say a second more)
+            assert re.fullmatch(
+                rf"STALLED 127\.0\.0\.1:{server.port}<-127\.0\.0\.1:\d+: request unread for [56] s", line
+            )
+        assert code == 1
+        assert any("4 stalled connection(s)" in line for _, line in running.lines)
+
+
+def test_watch_is_quiet_and_exits_0_on_a_fixed_pool():
+    with emulator_process(*BUGGY, "--fixed-pool") as server, burst(server.port, 6) as socks:
+        assert all(_answered(socks, within=5.0))  # the fixed pool starts the threads the burst needs
+        for sock in socks:
+            sock.sendall(HEALTH)  # and keeps serving: a second request on each, answered, leaves nothing unread
+        with watcher("--port", str(server.port), "--watch", "3", "--stall-seconds", "1") as running:
+            code = running.finish(timeout=20)
+        text = "\n".join(line for _, line in running.lines)
+        assert code == 0, text
+        assert "STALLED" not in text
+        assert "6 established" in text
+        assert "has the fixed pool" in text
+        assert "no stalled connection in 3 s" in text
+
+
+def test_watch_flags_the_risk_by_pid_in_one_look():
+    with emulator_process(*BUGGY) as server, burst(server.port, 3):
+        out = io.StringIO()
+        deadline = time.monotonic() + 5
+        while True:  # the burst's connections are established at once; the server side shows them as soon as
+            out = io.StringIO()
+            code = run_watch(WatchOptions(pids=(server.process.pid,), json=True), out=out, err=io.StringIO())
+            (found,) = json.loads(out.getvalue())["servers"]
+            if found["connections"] == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert code == 1
+        assert found["kind"] == "emulator"
+        assert found["listen"] == [f"127.0.0.1:{server.port}"]
+        assert (found["base_http_threads"], found["connections"], found["risk"]) == (2, 3, "risk")
+        assert found["build_has_pool_defect"] is True
+
+
+def test_watch_command_line_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["watch", "--port", "70000"])
+    assert info.value.code == 2
+    assert "must be a TCP port from 1 to 65535" in capsys.readouterr().err
