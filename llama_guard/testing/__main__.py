@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Sequence
 
+from .._llama_build import FIRST_FIXED_BUILD
 from ._emulator import LlamaServerEmulator
 
 
@@ -55,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             n_tokens=args.n_tokens,
             keepalive_timeout=args.keepalive_timeout,
             loading=args.loading,
+            # A fixed pool is what builds from b11737 on have: say so, as a real server would in /props.
+            build=f"b{FIRST_FIXED_BUILD}-emulated" if args.fixed_pool else "b11434-emulated",
         )
     except ValueError as exc:
         _parser().error(str(exc))

@@ -275,9 +275,6 @@ class HttplibThreadPool:
                     self._move_to_finished_locked()
                     return
                 job = self._jobs.popleft()
+            # As in b11434's ThreadPool::worker, a dynamic thread goes back to idle after its job (for up to 3 s)
+            # rather than exiting: a second burst within that time finds it idle.
             job()
-            if is_dynamic:
-                with self._mutex:
-                    if not self._jobs:
-                        self._move_to_finished_locked()
-                        return
