@@ -1,0 +1,961 @@
+"""Property-based tests (hypothesis) of what the guard takes from outside: its policy, request bodies, and whatever
+a server sends back.
+
+1. `GuardPolicy`: every field, with valid and invalid values. An invalid value raises `ValueError` whose message
+   starts with the field's name; any value at all for a field is either accepted or refused that way; a valid policy
+   builds a transport that serves a request on a real socket, and does what its fields say.
+2. Stream detection (`wants_stream`): any bytes, any JSON document, huge bodies, deep nesting, ``"stream"`` inside
+   strings and nested keys. It never raises; its byte check never changes the answer of a full parse; and on JSON
+   documents it agrees with llama-server's reading (nlohmann::json parses the whole body, then a top-level
+   ``"stream"`` streams only if it is the JSON boolean ``true``), including what that parser refuses (NaN,
+   numbers beyond a double, lone surrogates, non-UTF-8) and the nesting it accepts beyond Python's recursion limit.
+3. Server responses: a strategy builds HTTP/1.1 responses, well-formed (status, headers, Content-Length, chunked or
+   close-delimited bodies, ``Connection`` variants, interim 1xx answers) or not (truncated, lying framing, bad
+   status lines and header lines, garbage). The emulator sends them byte for byte (``Fault.GARBAGE``, then FIN).
+   Through the guard, sync and async, a well-formed response arrives with exactly the status and body sent; any
+   response ends in a response or an `httpx.HTTPError`, never another exception, and never hangs (a hard deadline
+   independent of httpx's timeouts).
+
+Bounded for CI: ``max_examples`` is set per test and ``deadline=None`` (a shared machine's pauses are not bugs).
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import gc
+import json
+import math
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from email.utils import format_datetime
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import pytest
+from hypothesis import HealthCheck, event, example, given, settings
+from hypothesis import strategies as st
+
+import llama_guard
+from llama_guard import GuardPolicy, Origin
+from llama_guard._decisions import parse_retry_after, wants_stream
+from llama_guard._origins import parse_origin
+from llama_guard._policy import per_request_fields
+from llama_guard.testing import Fault, LlamaServerEmulator
+
+CHAT = "/v1/chat/completions"
+MODELS = "/v1/models"
+T = TypeVar("T")
+
+# One emulator for the whole module (hypothesis runs many examples per test; a function-scoped fixture would be
+# shared between them anyway, and hypothesis warns about that). The fixed pool: bursts are not what is fuzzed here.
+
+
+def fuzz(examples: int) -> settings:
+    """Bounded for CI, and no per-example deadline: a shared machine's pauses are not bugs."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example],
+    )
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LlamaServerEmulator]:
+    with LlamaServerEmulator(http_threads=8, pool_bug=False, n_tokens=3) as emulator:
+        yield emulator
+        assert emulator.stats().errors == (), "the emulator itself failed"
+
+
+def within(seconds: float, function: Callable[[], T]) -> T:
+    """Run ``function`` in a thread and wait at most ``seconds``: a hard deadline that does not rely on the httpx
+    timeouts under test. A call that overruns fails the test (its thread is a daemon, left to finish)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(("value", function()))
+        except BaseException as exc:  # handed to the caller as it is
+            outcome.append(("error", exc))
+
+    thread = threading.Thread(target=run, daemon=True, name="fuzz-deadline")
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"no outcome within {seconds} s: the client hung"
+    kind, value = outcome[0]
+    if kind == "error":
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+# == 1. GuardPolicy ==================================================================================================
+
+# Seconds that convert to a float: every finite non-negative number (ints beyond a float's range are a known bug,
+# see test_seconds_beyond_a_floats_range_are_refused_with_a_value_error).
+_FLOAT_RANGE_INTS = st.integers(min_value=0, max_value=10**308)
+
+
+def _seconds(*, allow_zero: bool, allow_none: bool) -> st.SearchStrategy[Any]:
+    numbers = st.one_of(
+        st.floats(min_value=0.0, allow_nan=False, allow_infinity=False, exclude_min=not allow_zero),
+        _FLOAT_RANGE_INTS.filter(lambda n: allow_zero or n > 0),
+    )
+    return numbers | st.none() if allow_none else numbers
+
+
+def _bad_seconds(*, allow_zero: bool, allow_none: bool) -> st.SearchStrategy[Any]:
+    bad: list[st.SearchStrategy[Any]] = [
+        # (-0.0 is zero: a valid value where zero is)
+        st.floats(max_value=-1e-300 if allow_zero else 0.0, allow_nan=False, allow_infinity=False),
+        st.integers(max_value=-1 if allow_zero else 0),
+        st.sampled_from([math.nan, math.inf, -math.inf, True, False]),
+        st.text(max_size=8),
+        st.binary(max_size=8),
+        st.lists(st.integers(), max_size=2),
+        st.complex_numbers(allow_nan=False, allow_infinity=False),
+    ]
+    if not allow_none:
+        bad.append(st.none())
+    return st.one_of(bad)
+
+
+_HOSTS = st.one_of(
+    st.sampled_from(["127.0.0.1", "localhost", "[::1]", "llama.internal", "EXAMPLE.com", "10.0.0.7"]),
+    st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z][a-z0-9-]{0,10}){0,2}", fullmatch=True),
+)
+_VALID_ORIGIN_TEXT = st.builds(
+    lambda scheme, host, port, slash: f"{scheme}://{host}{'' if port is None else f':{port}'}{slash}",
+    st.sampled_from(["http", "https", "HTTP", "Https"]),
+    _HOSTS,
+    st.none() | st.integers(min_value=1, max_value=65535),
+    st.sampled_from(["", "/"]),
+)
+_VALID_ORIGINS = st.one_of(
+    st.sampled_from(["all", "auto"]),
+    st.lists(_VALID_ORIGIN_TEXT | _VALID_ORIGIN_TEXT.map(parse_origin), min_size=1, max_size=4),
+    st.lists(_VALID_ORIGIN_TEXT, min_size=1, max_size=3).map(tuple),
+)
+_BAD_ORIGIN_TEXT = st.one_of(
+    st.builds(lambda host: f"ftp://{host}", _HOSTS),
+    st.builds(lambda host, path: f"http://{host}/{path}", _HOSTS, st.from_regex(r"[a-z]{1,8}", fullmatch=True)),
+    st.builds(lambda host, query: f"http://{host}?{query}", _HOSTS, st.from_regex(r"[a-z]=[0-9]", fullmatch=True)),
+    st.builds(lambda host: f"http://user:pw@{host}", _HOSTS),
+    st.builds(lambda host, port: f"http://{host}:{port}", _HOSTS, st.integers(min_value=65536, max_value=10**9)),
+    st.builds(lambda host: f"http://{host}:port", _HOSTS),
+    st.sampled_from(["", "http://", "http://[::1", "127.0.0.1:8080", "localhost", "//host:1"]),
+)
+_BAD_ORIGINS = st.one_of(
+    st.text(max_size=20).filter(lambda text: text not in ("all", "auto")),
+    st.just([]),
+    st.lists(_BAD_ORIGIN_TEXT, min_size=1, max_size=2),
+    st.tuples(_VALID_ORIGIN_TEXT, _BAD_ORIGIN_TEXT).map(list),
+    st.lists(st.one_of(st.integers(), st.none(), st.binary(max_size=4)), min_size=1, max_size=2),
+    st.one_of(st.none(), st.integers(), st.floats(), st.binary(max_size=8), st.booleans()),
+)
+
+VALID: dict[str, st.SearchStrategy[Any]] = {
+    "origins": _VALID_ORIGINS,
+    "stream_mode": st.sampled_from(["close", "drop", "off"]),
+    "first_byte_timeout": _seconds(allow_zero=False, allow_none=True),
+    "probe": st.booleans(),
+    "probe_timeout": _seconds(allow_zero=False, allow_none=False),
+    "probe_timeout_max": _seconds(allow_zero=False, allow_none=False),
+    "max_attempts": st.integers(min_value=1, max_value=100),
+    "max_retry_time": _seconds(allow_zero=True, allow_none=True),
+    "backoff": _seconds(allow_zero=True, allow_none=False),
+    "backoff_max": _seconds(allow_zero=True, allow_none=False),
+    "max_retry_after": _seconds(allow_zero=True, allow_none=False),
+    "retry_non_idempotent": st.booleans(),
+}
+_NOT_BOOL = st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(allow_nan=False), st.lists(st.none()))
+INVALID: dict[str, st.SearchStrategy[Any]] = {
+    "origins": _BAD_ORIGINS,
+    "stream_mode": st.one_of(
+        st.text(max_size=10).filter(lambda text: text not in ("close", "drop", "off")),
+        st.sampled_from(["Close", "CLOSE", " close", None, 0, b"close", ("close",)]),
+    ),
+    "first_byte_timeout": _bad_seconds(allow_zero=False, allow_none=True),
+    "probe": _NOT_BOOL,
+    "probe_timeout": _bad_seconds(allow_zero=False, allow_none=False),
+    "probe_timeout_max": _bad_seconds(allow_zero=False, allow_none=False),
+    "max_attempts": st.one_of(
+        st.integers(max_value=0),
+        st.integers(min_value=101),
+        st.sampled_from([True, False, 2.0, 1.5, None, "3", math.nan]),
+    ),
+    "max_retry_time": _bad_seconds(allow_zero=True, allow_none=True),
+    "backoff": _bad_seconds(allow_zero=True, allow_none=False),
+    "backoff_max": _bad_seconds(allow_zero=True, allow_none=False),
+    "max_retry_after": _bad_seconds(allow_zero=True, allow_none=False),
+    "retry_non_idempotent": _NOT_BOOL,
+}
+FIELDS = [field.name for field in dataclasses.fields(GuardPolicy)]
+
+
+def test_the_strategies_cover_every_field() -> None:
+    """A field added to GuardPolicy must be added here too, or this fuzzing silently skips it."""
+    assert sorted(VALID) == sorted(INVALID) == sorted(FIELDS)
+
+
+@st.composite
+def valid_policy_kwargs(draw: st.DrawFn) -> dict[str, Any]:
+    """Every field, each drawn from its valid values (or left to its default); probe_timeout_max >= probe_timeout."""
+    kwargs = {name: draw(strategy) for name, strategy in VALID.items() if draw(st.booleans())}
+    probe_timeout = kwargs.get("probe_timeout", GuardPolicy.probe_timeout)
+    if kwargs.get("probe_timeout_max", GuardPolicy.probe_timeout_max) < probe_timeout:
+        kwargs["probe_timeout_max"] = probe_timeout
+    return kwargs
+
+
+def _names(message: str, field: str) -> bool:
+    """The message is about ``field``: it starts with the field's name (and not with a longer name)."""
+    return re.match(rf"{re.escape(field)}(?![A-Za-z0-9_])", message) is not None
+
+
+def _expected_origins(value: Any) -> Any:
+    if value in ("all", "auto"):
+        return value
+    return tuple(dict.fromkeys(item if isinstance(item, Origin) else parse_origin(item) for item in value))
+
+
+@fuzz(300)
+@given(valid_policy_kwargs())
+def test_valid_policies_are_accepted_as_given(kwargs: dict[str, Any]) -> None:
+    policy = GuardPolicy(**kwargs)
+    for name, value in kwargs.items():
+        if name == "origins":
+            assert policy.origins == _expected_origins(value)
+        else:
+            assert getattr(policy, name) == value
+    assert repr(policy).startswith("GuardPolicy(")
+    assert GuardPolicy(**kwargs) == policy
+    assert hash(GuardPolicy(**kwargs)) == hash(policy)
+    # The same values as a request's overrides (origins is transport-wide).
+    overrides = {name: value for name, value in kwargs.items() if name in per_request_fields()}
+    merged = GuardPolicy().merged(overrides)
+    assert all(getattr(merged, name) == value for name, value in overrides.items())
+
+
+@st.composite
+def one_invalid_field(draw: st.DrawFn) -> tuple[str, Any, dict[str, Any]]:
+    field = draw(st.sampled_from(FIELDS))
+    kwargs = draw(valid_policy_kwargs())
+    kwargs.pop(field, None)
+    if field in ("probe_timeout", "probe_timeout_max"):
+        # The two are checked together: leave the other one at its default, so the rest stays valid on its own.
+        kwargs.pop("probe_timeout_max" if field == "probe_timeout" else "probe_timeout", None)
+    return field, draw(INVALID[field]), kwargs
+
+
+@fuzz(400)
+@given(one_invalid_field())
+@example(("probe_timeout_max", 0.1, {}))  # valid alone, below probe_timeout's default of 0.5
+def test_an_invalid_value_raises_a_value_error_naming_its_field(case: tuple[str, Any, dict[str, Any]]) -> None:
+    field, value, others = case
+    with pytest.raises(ValueError) as info:
+        GuardPolicy(**others, **{field: value})
+    assert _names(str(info.value), field), str(info.value)
+    if field in per_request_fields():
+        # The same value as one request's override: refused the same way, before anything is sent.
+        with pytest.raises(ValueError) as info:
+            GuardPolicy(**others).merged({field: value})
+        assert _names(str(info.value), field), str(info.value)
+
+
+_ANYTHING = st.one_of(
+    st.none(),
+    st.booleans(),
+    _FLOAT_RANGE_INTS,
+    st.integers(max_value=0),
+    st.floats(),
+    st.text(max_size=20),
+    st.binary(max_size=10),
+    st.lists(st.one_of(st.text(max_size=20), st.integers(), st.none()), max_size=3),
+    st.tuples(st.text(max_size=20)),
+    st.dictionaries(st.text(max_size=20), st.integers(), max_size=2),
+    st.complex_numbers(),
+    st.decimals(),
+    st.fractions(),
+    st.builds(object),
+)
+
+
+@fuzz(400)
+@given(st.sampled_from(FIELDS), _ANYTHING)
+def test_any_value_for_any_field_is_accepted_or_refused_by_name(field: str, value: Any) -> None:
+    """Whatever a caller passes: a policy, or a ValueError about that field. Never another exception."""
+    refusal = None
+    try:
+        repr(GuardPolicy(**{field: value}))
+    except ValueError as exc:
+        refusal = str(exc)
+    if refusal is not None:
+        # probe_timeout is checked against probe_timeout_max (4.0 by default): a larger one is refused there.
+        named = [field, "probe_timeout_max"] if field == "probe_timeout" else [field]
+        assert any(_names(refusal, name) for name in named), refusal
+
+
+@pytest.mark.parametrize("field", ["first_byte_timeout", "probe_timeout", "max_retry_time", "backoff"])
+def test_seconds_beyond_a_floats_range_are_refused_with_a_value_error(field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field} "):
+        GuardPolicy(**{field: 10**400})
+
+
+# What a serving policy may be: valid, and not so tight that a healthy request on a loaded machine fails (a probe
+# or first-byte deadline shorter than a loopback round trip under load is the caller's choice, not a bug).
+_SERVING: dict[str, st.SearchStrategy[Any]] = {
+    **VALID,
+    "origins": st.sampled_from(["all", "auto", "listed", "elsewhere"]),
+    "first_byte_timeout": st.none() | st.floats(min_value=5.0, max_value=1e6),
+    "probe_timeout": st.floats(min_value=3.0, max_value=1e6),
+    "probe_timeout_max": st.floats(min_value=3.0, max_value=1e6),
+    "max_retry_time": st.none() | st.floats(min_value=0.0, max_value=1e6),
+    "backoff": st.floats(min_value=0.0, max_value=1e6),
+    "backoff_max": st.floats(min_value=0.0, max_value=0.1),
+    "max_retry_after": st.floats(min_value=0.0, max_value=1e6),
+}
+
+
+@st.composite
+def serving_policies(draw: st.DrawFn) -> dict[str, Any]:
+    kwargs = {name: draw(strategy) for name, strategy in _SERVING.items() if draw(st.booleans())}
+    if kwargs.get("probe_timeout_max", GuardPolicy.probe_timeout_max) < kwargs.get("probe_timeout", 0.5):
+        kwargs["probe_timeout_max"] = kwargs["probe_timeout"]
+    return kwargs
+
+
+def _complete(body: bytes, *, stream: bool) -> bool:
+    if stream:
+        return body.startswith(b"data: ") and body.endswith(b"data: [DONE]\n\n")
+    return bool(json.loads(body)["choices"][0]["message"]["content"])
+
+
+def _serve(url: str, policy: GuardPolicy, stream: bool, flavor: str) -> tuple[int, bytes, Any, Any]:
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream}
+    if flavor == "sync":
+        transport = llama_guard.GuardTransport(policy=policy)
+        with httpx.Client(transport=transport, base_url=url, timeout=30.0) as client:
+            response = client.post(CHAT, json=body)
+        return response.status_code, response.content, response.extensions.get("llama_guard"), transport.stats
+
+    async def main() -> tuple[int, bytes, Any, Any]:
+        transport = llama_guard.AsyncGuardTransport(policy=policy)
+        async with httpx.AsyncClient(transport=transport, base_url=url, timeout=30.0) as client:
+            response = await client.post(CHAT, json=body)
+        return response.status_code, response.content, response.extensions.get("llama_guard"), transport.stats
+
+    return anyio.run(main, backend=flavor)
+
+
+@fuzz(60)
+@given(serving_policies(), st.booleans(), st.sampled_from(["sync", "asyncio", "trio"]))
+def test_a_valid_policy_serves_a_request_and_does_what_it_says(
+    server: LlamaServerEmulator, kwargs: dict[str, Any], stream: bool, flavor: str
+) -> None:
+    where = kwargs.get("origins", "all")
+    origins = {"listed": [server.url], "elsewhere": ["http://127.0.0.1:9"]}.get(where, where)
+    policy = GuardPolicy(**{**kwargs, "origins": origins})
+    status, body, result, stats = within(60, lambda: _serve(server.url, policy, stream, flavor))
+    assert status == 200
+    assert _complete(body, stream=stream)
+    guarded = where in ("all", "listed")  # "auto" learns the origin from this first answer, unguarded
+    snapshot = stats.snapshot()
+    assert (snapshot.requests, snapshot.passthrough) == ((1, 0) if guarded else (0, 1))
+    if not guarded:
+        assert result is None
+        return
+    assert result.attempts == 1
+    assert result.stream is stream
+    assert result.connection_closed is (stream and policy.stream_mode != "off")
+    assert snapshot.probes_sent == (1 if policy.probe else 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"probe_timeout": 1e10, "probe_timeout_max": 1e10}, {"first_byte_timeout": 1e10}, {"first_byte_timeout": 1e300}],
+    ids=["probe_timeout", "first_byte_timeout", "first_byte_timeout-1e300"],
+)
+def test_huge_valid_deadlines_serve_a_request(server: LlamaServerEmulator, kwargs: dict[str, Any]) -> None:
+    transport = llama_guard.GuardTransport(policy=GuardPolicy(**kwargs))
+    with httpx.Client(transport=transport, base_url=server.url, timeout=None) as client:
+        response = within(30, lambda: client.post(CHAT, json={"messages": []}))
+    assert response.status_code == 200
+
+
+# == 2. Stream detection ==============================================================================================
+
+
+def python_json_reading(body: bytes) -> bool:
+    """What a full parse of the body as UTF-8 (a leading BOM skipped) with Python's json says: a top-level object
+    whose "stream" is the boolean true.
+
+    `wants_stream` answers most bodies from a byte check without parsing; this is the answer it must agree with.
+    (UTF-8 only: json.loads(bytes) would also detect UTF-16 and UTF-32, which llama-server does not read; see
+    test_stream_detection_of_bodies_llama_server_rejects.)"""
+    try:
+        document = json.loads(body.decode("utf-8-sig"))
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(document, dict) and document.get("stream") is True
+
+
+class _NotJson(ValueError):
+    pass
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotJson(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJson(f"number overflow parsing {text!r}")
+    return value
+
+
+def _nlohmann_int(text: str) -> int | float:
+    """An integer that fits neither int64 nor uint64 is parsed as a double by nlohmann::json; past a double's
+    range that is a parse error."""
+    value = int(text)
+    if -(2**63) <= value < 2**64:
+        return value
+    return _finite_float(text)
+
+
+def _has_lone_surrogate(document: Any) -> bool:
+    pending = [document]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if any(0xD800 <= ord(char) <= 0xDFFF for char in item):
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
+
+
+def llama_server_streams(body: bytes) -> bool:
+    """llama-server's reading, for documents shallow enough for Python's parser: ``json::parse(req.body)`` (strict
+    UTF-8, a leading UTF-8 BOM skipped, no NaN/Infinity, no number beyond a double, surrogate escapes in pairs,
+    the last of duplicate keys wins), then ``json_value(body, "stream", false)``: true only for a JSON boolean."""
+    if body.startswith(codecs.BOM_UTF8):
+        body = body[len(codecs.BOM_UTF8) :]
+    try:
+        text = body.decode("utf-8")
+        document = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_nlohmann_int)
+    except (ValueError, RecursionError):
+        return False
+    if _has_lone_surrogate(document):
+        return False
+    return isinstance(document, dict) and document.get("stream") is True
+
+
+# JSON values as llama-server could receive them: finite numbers, text without lone surrogates.
+_JSON_SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=30),
+    st.sampled_from(["stream", '"stream": true', '{"stream": true}', "\\u0073tream", "true"]),
+)
+_KEYS = st.one_of(st.text(max_size=10), st.sampled_from(["stream", "Stream", "stream ", "streams", "messages"]))
+JSON_VALUES = st.recursive(
+    _JSON_SCALARS,
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(_KEYS, children, max_size=4),
+    max_leaves=25,
+)
+_STREAM_VALUES = st.one_of(
+    st.just(True), st.just(False), st.sampled_from([1, 0, "true", "True", None, [True], {"stream": True}]), JSON_VALUES
+)
+
+
+@st.composite
+def json_documents(draw: st.DrawFn) -> Any:
+    """Top-level objects that may or may not have "stream" (any value, any position), with "stream" hidden in
+    nested keys and strings too; or any other JSON value."""
+    if draw(st.integers(0, 4)) == 0:
+        return draw(JSON_VALUES)
+    document: dict[str, Any] = draw(st.dictionaries(_KEYS.filter(lambda key: key != "stream"), JSON_VALUES, max_size=5))
+    nested = draw(st.dictionaries(st.just("stream"), _STREAM_VALUES, max_size=1))
+    if nested and document:
+        document[draw(st.sampled_from(sorted(document)))] = nested  # "stream" one level down only
+    if draw(st.booleans()):
+        items = list(document.items())
+        items.insert(draw(st.integers(0, len(items))), ("stream", draw(_STREAM_VALUES)))
+        document = dict(items)
+    return document
+
+
+def _escape_key(text: str, which: list[int]) -> str:
+    """``"stream"`` with some of its letters as \\u escapes: still the same key to any JSON parser."""
+    return "".join(f"\\u{ord(char):04x}" if index in which else char for index, char in enumerate(text))
+
+
+@st.composite
+def serialised(draw: st.DrawFn, document: Any) -> bytes:
+    """One of the many byte sequences a client may send for ``document``."""
+    text = json.dumps(
+        document,
+        ensure_ascii=draw(st.booleans()),
+        indent=draw(st.none() | st.integers(0, 3)),
+        separators=draw(st.sampled_from([None, (",", ":"), (", ", ": "), (" ,", " :")])),
+    )
+    if draw(st.booleans()):
+        escaped = draw(st.lists(st.integers(0, 5), unique=True, min_size=1))
+        text = text.replace('"stream"', f'"{_escape_key("stream", escaped)}"')
+    padding = draw(st.sampled_from(["", " ", "\n", "\r\n\t "]))
+    body = (padding + text + padding).encode("utf-8")
+    return codecs.BOM_UTF8 + body if draw(st.integers(0, 9)) == 0 else body
+
+
+@fuzz(500)
+@given(st.data())
+def test_stream_detection_reads_json_documents_as_llama_server_does(data: st.DataObject) -> None:
+    document = data.draw(json_documents())
+    body = data.draw(serialised(document))
+    expected = isinstance(document, dict) and document.get("stream") is True
+    assert llama_server_streams(body) is expected  # the oracle itself, on documents built to a known answer
+    assert wants_stream(body) is expected
+
+
+_FRAGMENTS = st.sampled_from(
+    [
+        b"{",
+        b"}",
+        b"[",
+        b"]",
+        b":",
+        b",",
+        b" ",
+        b'"stream"',
+        b'"str\\u0065am"',
+        b'"\\u0073\\u0074ream"',
+        b"true",
+        b"false",
+        b"null",
+        b"1",
+        b"-0.5e3",
+        b'"x"',
+        b'"',
+        b"\\",
+        b"\\u",
+        b"\\ud800",
+        b"NaN",
+        b"Infinity",
+        b"1e400",
+        b"\xef\xbb\xbf",
+        b"\xff",
+        b"\xc3\xa9",
+        b"\x00",
+        b"stream",
+        b"\n",
+    ]
+)
+ANY_BYTES = st.one_of(
+    st.binary(max_size=200),
+    st.lists(_FRAGMENTS, max_size=30).map(b"".join),
+    st.builds(lambda head, tail: head + b'{"stream": true}' + tail, st.binary(max_size=8), st.binary(max_size=8)),
+)
+
+
+@fuzz(1000)
+@given(ANY_BYTES)
+@example(b'{"str\\u0065am": true}')
+@example(b'\xef\xbb\xbf{"stream": true}')
+@example(b'{"stream": true, "stream": false}')
+def test_stream_detection_never_raises_and_its_byte_check_never_changes_the_answer(body: bytes) -> None:
+    assert wants_stream(body) is python_json_reading(body)
+
+
+@fuzz(15)
+@given(
+    size=st.integers(min_value=1_000_000, max_value=8_000_000),
+    stream=st.sampled_from([True, False, 1, "true", None]),
+    position=st.sampled_from(["first", "last"]),
+    filler=st.sampled_from(["x", "stream ", "é", '"stream": true, ', '{"stream": true}']),
+)
+def test_stream_detection_of_huge_bodies(size: int, stream: Any, position: str, filler: str) -> None:
+    """Megabytes of prompt, with "stream" spelled all through it: the answer is still the top-level key's."""
+    prompt = filler * (size // len(filler.encode()))
+    document = {"stream": stream, "prompt": prompt} if position == "first" else {"prompt": prompt, "stream": stream}
+    body = json.dumps(document, ensure_ascii=False).encode()
+    expected = llama_server_streams(body)
+    assert expected is (stream is True)
+    started = time.perf_counter()
+    assert wants_stream(body) is expected
+    assert time.perf_counter() - started < 5.0
+
+
+@pytest.mark.parametrize("depth", [1, 50, 400])
+def test_stream_detection_with_nesting_python_can_parse(depth: int) -> None:
+    nested = "[" * depth + "]" * depth
+    assert wants_stream(f'{{"stream": true, "x": {nested}}}'.encode()) is True
+    assert wants_stream(f'{{"x": {nested}, "stream": false}}'.encode()) is False
+    deep_key = '{"a": ' * depth + '{"stream": true}' + "}" * depth
+    assert wants_stream(deep_key.encode()) is False
+
+
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+def test_stream_detection_with_nesting_llama_server_accepts(depth: int) -> None:
+    nested = "[" * depth + "]" * depth
+    assert wants_stream(f'{{"stream": true, "x": {nested}}}'.encode()) is True
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"stream": true, "temperature": NaN}',
+        b'{"stream": true, "n": -Infinity}',
+        b'{"stream": true, "n": 1e400}',
+        b'{"stream": true, "n": 1' + b"0" * 400 + b"}",
+        b'{"stream": true, "prompt": "\\ud800"}',
+        '{"stream": true, "x": "\u7473\u6572\u6d61"}'.encode("utf-16-le"),  # its bytes spell "stream" too
+    ],
+    ids=["NaN", "Infinity", "1e400", "400-digit-int", "lone-surrogate", "utf-16"],
+)
+def test_stream_detection_of_bodies_llama_server_rejects(body: bytes) -> None:
+    assert llama_server_streams(body) is False
+    assert wants_stream(body) is False
+
+
+# == 3. Server responses =============================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """Bytes the server sends (then FIN), and for a well-formed response the status and body a client must see."""
+
+    data: bytes
+    status: int | None = None
+    body: bytes = b""
+
+    @property
+    def well_formed(self) -> bool:
+        return self.status is not None
+
+
+_TOKEN = st.from_regex(r"[A-Za-z][A-Za-z0-9-]{0,15}", fullmatch=True)
+# Headers that change framing or decoding, or the guard's decisions: only the strategy itself sets them.
+_RESERVED_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "content-encoding",
+    "trailer",
+    "upgrade",
+    "retry-after",
+}
+_HEADER_VALUE = st.from_regex(r"[!-~]([ !-~]{0,30}[!-~])?", fullmatch=True) | st.just("")
+_REASON = st.from_regex(r"[A-Za-z][A-Za-z ]{0,20}", fullmatch=True)
+
+
+def _http_date(seconds: int) -> str:
+    when = datetime(2020, 1, 1, tzinfo=timezone.utc) + timedelta(seconds=seconds)
+    return format_datetime(when, usegmt=True)
+
+
+# Retry-After as servers send it. Values that crash the guard are a known bug
+# (test_a_malformed_retry_after_is_an_httpx_error_or_the_response), kept out of the strategy so this test stays green.
+_RETRY_AFTER = st.one_of(
+    st.integers(0, 3).map(str),
+    st.integers(30, 10**6).map(str),
+    st.integers(0, 400_000_000).map(_http_date),
+    st.from_regex(r"[A-Za-z ]{1,12}", fullmatch=True),
+)
+
+
+@st.composite
+def extra_headers(draw: st.DrawFn, status: int) -> list[tuple[bytes, bytes]]:
+    names = st.one_of(
+        _TOKEN.filter(lambda name: name.lower() not in _RESERVED_HEADERS),
+        st.sampled_from(["Server", "Content-Type", "Keep-Alive", "Access-Control-Allow-Origin", "X-Request-Id"]),
+    )
+    headers = [
+        (name.encode(), value.encode()) for name, value in draw(st.lists(st.tuples(names, _HEADER_VALUE), max_size=6))
+    ]
+    if draw(st.booleans()):
+        headers.append((b"Server", b"llama.cpp"))
+    if draw(st.booleans()):
+        headers.append(
+            (b"Content-Type", draw(st.sampled_from([b"application/json", b"text/event-stream", b"text/plain"])))
+        )
+    if status in (429, 503) and draw(st.booleans()):
+        headers.append((b"Retry-After", draw(_RETRY_AFTER).encode()))
+    return headers
+
+
+@st.composite
+def chunked(draw: st.DrawFn, body: bytes) -> bytes:
+    cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
+    pieces = [body[start:end] for start, end in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+    out = b""
+    for piece in pieces:
+        if not piece:
+            continue  # an empty chunk would be the last one
+        size = f"{len(piece):x}"
+        size = size.upper() if draw(st.booleans()) else size
+        extension = draw(st.sampled_from(["", ";x=1", ';name="v"']))
+        out += f"{size}{extension}\r\n".encode() + piece + b"\r\n"
+    trailers = b"X-Trailer: done\r\n" if draw(st.booleans()) else b""
+    return out + b"0\r\n" + trailers + b"\r\n"
+
+
+@st.composite
+def well_formed_responses(draw: st.DrawFn) -> Sent:
+    version = draw(st.sampled_from([b"HTTP/1.1", b"HTTP/1.0"]))
+    no_body = draw(st.integers(0, 9)) == 0
+    status = (
+        draw(st.sampled_from([204, 304]))
+        if no_body
+        else draw(st.integers(200, 599).filter(lambda s: s not in (204, 304)))
+    )
+    reason = draw(_REASON).encode()
+    body = b"" if no_body else draw(st.one_of(st.binary(max_size=300), st.binary(min_size=60_000, max_size=70_000)))
+    headers = draw(extra_headers(status))
+    framing = (
+        "length"
+        if no_body
+        else draw(st.sampled_from(["length", "chunked", "close"] if version == b"HTTP/1.1" else ["length", "close"]))
+    )
+    payload = body
+    if framing == "length":
+        headers.append((b"Content-Length", str(len(body)).encode()))
+    elif framing == "chunked":
+        headers.append((b"Transfer-Encoding", b"chunked"))
+        payload = draw(chunked(body))
+    connection = draw(st.sampled_from([None, b"close", b"keep-alive", b"Keep-Alive", b"close, Keep-Alive"]))
+    if connection is not None:
+        headers.append((b"Connection", connection))
+    order = draw(st.permutations(headers))
+    interim = b""
+    if version == b"HTTP/1.1" and draw(st.integers(0, 5)) == 0:
+        interim = draw(
+            st.sampled_from([b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"])
+        )
+    head = version + b" " + str(status).encode() + b" " + reason + b"\r\n"
+    head += b"".join(name + b": " + value + b"\r\n" for name, value in order) + b"\r\n"
+    return Sent(interim + head + payload, status, body)
+
+
+@st.composite
+def malformed_responses(draw: st.DrawFn) -> Sent:
+    good = draw(well_formed_responses())
+    kind = draw(
+        st.sampled_from(
+            ["truncate", "garbage", "status", "header", "length-lie", "chunk-lie", "encoding", "framing", "huge", "two"]
+        )
+    )
+    data = good.data
+    if kind == "truncate":
+        data = data[: draw(st.integers(0, max(len(data) - 1, 0)))]
+    elif kind == "garbage":
+        data = draw(st.binary(max_size=300))
+    elif kind == "status":
+        line = draw(
+            st.sampled_from(
+                [
+                    b"HTTP/1.1\r\n",
+                    b"HTTP/1.1 2000 OK\r\n",
+                    b"HTTP/1.1 99 Low\r\n",
+                    b"HTTP/9.9 200 OK\r\n",
+                    b"HTTP/1.1 abc OK\r\n",
+                    b"http/1.1 200 OK\r\n",
+                    b"HTTP/1.1 200 OK\n",
+                    b"ICY 200 OK\r\n",
+                ]
+            )
+        )
+        data = line + b"Content-Length: 0\r\n\r\n"
+    elif kind == "header":
+        bad = draw(
+            st.sampled_from(
+                [
+                    b"NoColon\r\n",
+                    b"Bad Name: x\r\n",
+                    b"X: a\x00b\r\n",
+                    b" folded: x\r\n",
+                    b"X : y\r\n",
+                    b": empty\r\n",
+                    b"X: \x7f\r\n",
+                ]
+            )
+        )
+        end = data.index(b"\r\n") + 2 if b"\r\n" in data else len(data)
+        data = data[:end] + bad + data[end:]
+    elif kind == "length-lie":
+        body = draw(st.binary(max_size=50))
+        length = draw(st.sampled_from([len(body) + 1, len(body) + 1000, -1])) if body else 5
+        data = b"HTTP/1.1 200 OK\r\nContent-Length: " + str(length).encode() + b"\r\n\r\n" + body
+    elif kind == "chunk-lie":
+        chunk = draw(
+            st.sampled_from(
+                [
+                    b"zz\r\nab\r\n0\r\n\r\n",
+                    b"5\r\nab\r\n0\r\n\r\n",
+                    b"2\r\nab\r\n",
+                    b"-1\r\n\r\n",
+                    b"ffffffffffffffffffff\r\nab\r\n",
+                    b"2\r\nabXX0\r\n\r\n",
+                    b"",
+                ]
+            )
+        )
+        data = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk
+    elif kind == "encoding":
+        coding = draw(st.sampled_from([b"gzip", b"deflate", b"br", b"zstd", b"identity", b"bogus"]))
+        body = draw(st.binary(max_size=50))
+        data = b"HTTP/1.1 200 OK\r\nContent-Encoding: " + coding + b"\r\nContent-Length: " + str(len(body)).encode()
+        data += b"\r\n\r\n" + body
+    elif kind == "framing":
+        head = draw(
+            st.sampled_from(
+                [
+                    b"Content-Length: 2\r\nContent-Length: 3\r\n",
+                    b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n",
+                    b"Transfer-Encoding: gzip\r\n",
+                    b"Transfer-Encoding: chunked, gzip\r\n",
+                    b"Content-Length: 0x2\r\n",
+                    b"Content-Length: 1 2\r\n",
+                ]
+            )
+        )
+        data = b"HTTP/1.1 200 OK\r\n" + head + b"\r\nab"
+    elif kind == "huge":
+        data = (
+            b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * draw(st.integers(70_000, 300_000)) + b"\r\nContent-Length: 0\r\n\r\n"
+        )
+    else:
+        data = data + data
+    return Sent(data)
+
+
+def _fetch(url: str, method: str, path: str, flavor: str, stream: bool) -> tuple[int, bytes]:
+    """One request through a fresh guarded client; returns status and body, or raises what the client raised."""
+    policy = GuardPolicy(max_attempts=2, backoff=0.01, backoff_max=0.05, max_retry_after=0.2, probe_timeout=3.0)
+    body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream} if method == "POST" else None
+    if flavor == "sync":
+        with httpx.Client(transport=llama_guard.GuardTransport(policy=policy), base_url=url, timeout=10.0) as client:
+            response = client.request(method, path, json=body)
+            return response.status_code, response.content
+
+    async def main() -> tuple[int, bytes]:
+        transport = llama_guard.AsyncGuardTransport(policy=policy)
+        async with httpx.AsyncClient(transport=transport, base_url=url, timeout=10.0) as client:
+            response = await client.request(method, path, json=body)
+            return response.status_code, response.content
+
+    return anyio.run(main, backend=flavor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Raised:
+    """What a request raised: its class and message (not the exception itself, whose traceback would keep the
+    exchange's objects alive past the test)."""
+
+    kind: type[BaseException]
+    message: str
+
+
+def _exchange(
+    server: LlamaServerEmulator, sent: Sent, method: str, flavor: str, stream: bool = False
+) -> tuple[int, bytes] | Raised:
+    """The emulator answers every attempt of one request with ``sent.data``; what did the client get?"""
+    path = CHAT if method == "POST" else MODELS
+    rule = server.inject(Fault.GARBAGE, path=path, method=method, count=None, data=sent.data)
+    outcome: tuple[int, bytes] | Raised
+    try:
+        outcome = within(30, lambda: _fetch(server.url, method, path, flavor, stream))
+    except BaseException as exc:  # judged by the caller
+        outcome = Raised(type(exc), str(exc))
+    finally:
+        rule.cancel()
+    # Whatever the exchange left to the cyclic collector is collected now, within this test (see the warnings
+    # filter below), not in whichever test happens to run next.
+    gc.collect()
+    return outcome
+
+
+# httpx's own async generators (Response.aiter_raw and the streams under it) are left unfinished when httpx stops
+# reading a body on an error that arises outside them (a DecodingError for a bad gzip body), and trio's finalizer
+# warns when they are collected. Plain httpx does the same (measured with the same responses); the guard's own
+# stream wrapper is not in this list, so a warning about it would still fail the test.
+@pytest.mark.filterwarnings(
+    r"ignore:Exception ignored in. <async_generator object "
+    r"(Response\.aiter_raw|BoundAsyncStream\.__aiter__|AsyncResponseStream\.__aiter__) "
+    ":pytest.PytestUnraisableExceptionWarning"
+)
+@fuzz(150)
+@given(
+    st.one_of(well_formed_responses(), malformed_responses()),
+    st.sampled_from(["POST", "GET"]),
+    st.sampled_from(["sync", "asyncio", "trio"]),
+    st.booleans(),
+)
+@example(Sent(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 5\r\n\r\nhello"), "GET", "trio", False)
+@example(
+    Sent(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", 200, b"ok"), "POST", "trio", True
+)
+def test_any_server_response_ends_in_that_response_or_an_httpx_error(
+    server: LlamaServerEmulator, sent: Sent, method: str, flavor: str, stream: bool
+) -> None:
+    outcome = _exchange(server, sent, method, flavor, stream)
+    event("well-formed" if sent.well_formed else "malformed")
+    event(f"outcome: {outcome.kind.__name__ if isinstance(outcome, Raised) else outcome[0] // 100 * 100}")
+    if isinstance(outcome, Raised):
+        assert outcome.kind is not AssertionError, outcome.message  # the hard deadline
+        assert issubclass(outcome.kind, httpx.HTTPError), f"{outcome.kind.__name__}: {outcome.message}"
+        assert not sent.well_formed, f"a well-formed response ended in {outcome.kind.__name__}: {outcome.message}"
+        return
+    if sent.well_formed:
+        assert outcome == (sent.status, sent.body)
+
+
+@pytest.mark.parametrize(
+    "retry_after",
+    [b"\xb2", b"\xc2\xb9", b"Mon, 01 Jan 2024 00:00:00 +99999999999999999999"],
+    ids=["latin-1-superscript-two", "utf-8-superscript-one", "huge-zone-offset"],
+)
+@pytest.mark.parametrize("status", [503, 429])
+def test_a_malformed_retry_after_is_an_httpx_error_or_the_response(
+    server: LlamaServerEmulator, status: int, retry_after: bytes
+) -> None:
+    data = b"HTTP/1.1 %d Busy\r\nRetry-After: %s\r\nContent-Length: 2\r\n\r\n{}" % (status, retry_after)
+    outcome = _exchange(server, Sent(data, status, b"{}"), "POST", "sync")
+    assert not isinstance(outcome, Raised) or issubclass(outcome.kind, httpx.HTTPError), outcome
+
+
+@fuzz(300)
+@given(st.one_of(_RETRY_AFTER, st.text(alphabet=st.characters(max_codepoint=127), max_size=40)))
+def test_parse_retry_after_of_ascii_values_never_raises(value: str) -> None:
+    seconds = parse_retry_after(value)
+    assert seconds is None or (seconds >= 0 and not math.isnan(seconds))
+    if value.strip().isdigit():
+        assert seconds == float(value)
+
+
+def test_the_guards_stream_wrapper_leaves_no_unfinished_async_generator_under_trio(
+    server: LlamaServerEmulator,
+) -> None:
+    """Whether the wrapper is still suspended when it is collected depends on timing (about one run in two here),
+    so the case runs 20 times: a fixed guard passes every time, the current one fails all but once in a million."""
+    data = b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    unraisable: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda info: unraisable.append(f"{info.exc_value} {info.object!r}")
+    try:
+        outcomes = [_exchange(server, Sent(data), "GET", "trio") for _ in range(20)]
+    finally:
+        sys.unraisablehook = previous
+    assert all(isinstance(o, Raised) and o.kind is httpx.DecodingError for o in outcomes), outcomes
+    assert unraisable, "httpx's own generators were expected to warn: is the case still reproduced?"
+    assert [text for text in unraisable if "llama_guard" in text] == []
