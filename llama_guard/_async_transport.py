@@ -305,9 +305,10 @@ class _AsyncDropAfterStream(httpx.AsyncByteStream):
         self._network_stream = network_stream
         self._stats = stats
 
-    async def __aiter__(self) -> Any:
-        async for chunk in self._stream:
-            yield chunk
+    def __aiter__(self) -> Any:
+        # The inner stream's own iterator: no generator of ours that could be left suspended (and warned about by
+        # trio's finalizer) when the caller stops reading half way.
+        return self._stream.__aiter__()
 
     async def aclose(self) -> None:
         try:

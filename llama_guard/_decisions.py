@@ -18,13 +18,14 @@ Retry rules, by how far the attempt got (urllib3's and Go net/http's reasoning):
 from __future__ import annotations
 
 import enum
-import json
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from typing import Final, NamedTuple
+
+from ._stream_detection import wants_stream
 
 __all__ = [
     "FailureKind",
@@ -83,22 +84,6 @@ def is_inference_path(path: str) -> bool:
         if len(_INFERENCE_CACHE) < _INFERENCE_CACHE_SIZE:
             _INFERENCE_CACHE[path] = known
     return known
-
-
-def wants_stream(body: bytes) -> bool:
-    """True when a JSON request body asks for ``"stream": true`` at its top level, as llama-server reads it.
-
-    llama-server streams only for a JSON boolean ``true``. A cheap byte check comes first: a body that contains
-    neither ``stream`` nor a JSON escape (which could spell the key) cannot ask for a stream, so most bodies are
-    never parsed.
-    """
-    if b"stream" not in body and b"\\u" not in body:
-        return False
-    try:
-        document = json.loads(body)
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(document, dict) and document.get("stream") is True
 
 
 def is_streaming_response(headers: Mapping[str, str]) -> bool:
@@ -303,15 +288,15 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     if value is None:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # isdigit() alone also takes "²", which float() refuses
         return float(value)
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+        if when.tzinfo is None:
+            return None
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    except (TypeError, ValueError, IndexError, OverflowError):  # email.utils overflows on absurd zone offsets
         return None
-    if when.tzinfo is None:
-        return None
-    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def verdict_for_status(

@@ -7,8 +7,9 @@ its user info, its headers or its body.
 from __future__ import annotations
 
 import logging
+import re
 
-__all__ = ["describe_request", "logger"]
+__all__ = ["describe_request", "logger", "without_quoted_values"]
 
 logger = logging.getLogger("llama_guard")
 
@@ -18,3 +19,15 @@ def describe_request(method: str, scheme: str, host: str, port: int | None, path
     host = f"[{host}]" if ":" in host else host
     netloc = host if port is None else f"{host}:{port}"
     return f"{method} {scheme}://{netloc}{path}"
+
+
+_QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" + r'|b?"(?:[^"\\]|\\.)*"')
+
+
+def without_quoted_values(text: str) -> str:
+    """``Illegal header value b'Bearer sk-...\\n'`` -> ``Illegal header value <redacted>``.
+
+    h11 quotes the header it refuses to send, value included; that value may be a credential, and the guard's
+    error messages and history repeat the message.
+    """
+    return _QUOTED.sub("<redacted>", text)

@@ -33,7 +33,11 @@ def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bo
         accepted += ", or None for no limit"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be {accepted}; got {value!r}")
-    if math.isnan(value) or math.isinf(value) or value < 0 or (value == 0 and not allow_zero):
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond a float's range
+        raise ValueError(f"{name} must be {accepted}; got a number too large for seconds") from None
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise ValueError(f"{name} must be {accepted}; got {value!r}")
 
 

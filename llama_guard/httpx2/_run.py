@@ -23,7 +23,7 @@ from .._decisions import (
     verdict_for_status,
 )
 from ._exceptions import FirstByteTimeout, failure_kind, guarded_error
-from .._log import describe_request, logger
+from .._log import describe_request, logger, without_quoted_values
 from .._origins import Origin
 from .._policy import GuardPolicy
 from .._probe import probe_deadline
@@ -35,6 +35,9 @@ __all__ = ["RequestRun", "replayable_body"]
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
 MAX_RETRIED_ERROR_BODY = 64 * 1024
+# The longest wait the guard hands to a socket: valid deadlines beyond it (1e300 s is a valid float) mean "no limit"
+# in practice, but a sync socket refuses a timeout that large (OverflowError from settimeout).
+MAX_SOCKET_WAIT = 1e6
 # The statuses a request may be retried on (verdict_for_status decides whether this one is).
 RETRIED_STATUSES = frozenset({429, 503})
 # The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
@@ -179,9 +182,9 @@ class RequestRun:
             extensions.pop(EXTENSION, None)
             if trace is not None:
                 extensions["trace"] = trace
-            if self.deadline_applied:
+            if deadline is not None and self.deadline_applied:
                 timeouts = dict(self.user_timeouts)
-                timeouts["read"] = deadline
+                timeouts["read"] = min(deadline, MAX_SOCKET_WAIT)
                 extensions["timeout"] = self.attempt_timeouts = timeouts
         stream = self.user_stream if self.body is None else ReplayableBody(self.body)
         if self.close_connection:
@@ -206,7 +209,9 @@ class RequestRun:
         )
         # The probe reads like any response: never wait longer than the caller's own read timeout allows.
         caller_read = self.user_timeouts.get("read")
-        return deadline if caller_read is None else min(deadline, caller_read)
+        if caller_read is not None and caller_read < deadline:
+            deadline = caller_read
+        return min(deadline, MAX_SOCKET_WAIT)
 
     def probe_answered(self, seconds: float) -> None:
         self.stats.record_probe(seconds, answered=True)
@@ -236,7 +241,7 @@ class RequestRun:
             retry_non_idempotent=self.policy.retry_non_idempotent,
         )
         where = "a reused" if tracker.reused_connection else "a new" if tracker.new_connection else "no"
-        detail = str(exc)[:160] or "no detail"
+        detail = error_text(exc)[:160] or "no detail"
         self.history.append(
             f"attempt {self.attempts}: {type(exc).__name__} on {where} connection "
             f"({tracker.effective_progress().name.lower()}): {self.verdict.reason} [{detail}]"
@@ -343,7 +348,7 @@ class RequestRun:
             why = f"max_attempts={self.policy.max_attempts} reached"
         else:
             why = f"max_retry_time={self.policy.max_retry_time:g} s reached"
-        message = str(exc) or type(exc).__name__
+        message = error_text(exc) or type(exc).__name__
         attempts = "1 attempt" if self.attempts == 1 else f"{self.attempts} attempts"
         error = guarded_error(
             exc,
@@ -373,3 +378,9 @@ class RequestRun:
             connection_closed=connection_closed,
             history=tuple(self.history),
         )
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception's message for the guard's history and errors; what our side refused to send is not repeated."""
+    text = str(exc)
+    return without_quoted_values(text) if isinstance(exc, httpx.LocalProtocolError) else text

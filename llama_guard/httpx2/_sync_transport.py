@@ -306,8 +306,9 @@ class _SyncDropAfterStream(httpx.SyncByteStream):
         self._stats = stats
 
     def __iter__(self) -> Any:
-        for chunk in self._stream:
-            yield chunk
+        # The inner stream's own iterator: no generator of ours that could be left suspended (and warned about by
+        # trio's finalizer) when the caller stops reading half way.
+        return self._stream.__iter__()
 
     def close(self) -> None:
         try:
