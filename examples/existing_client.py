@@ -12,32 +12,16 @@ connection and logs one warning.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx
+from _llama_url import llama_server  # examples/_llama_url.py: your server, or an emulated one
 
 import llama_guard
-from llama_guard.testing import LlamaServerEmulator
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 20
-
-
-@contextmanager
-def llama_server() -> Iterator[str]:
-    """The base URL to use: the first argument, else LLAMA_URL, else an emulator started here."""
-    url = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("LLAMA_URL")
-    if url:
-        yield url
-        return
-    # The emulator closes a stream's connection 60 ms after the final chunk (llama-server does it at once), so
-    # that on loopback the client reuses the connection before it dies, as it does under load.
-    with LlamaServerEmulator(stream_close_delay=0.06) as server:
-        yield server.url
 
 
 def chat(index: int) -> dict[str, object]:

@@ -9,29 +9,15 @@ Needs ``pip install 'llama-guard[httpx2]'``. Same behaviour, settings and result
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import httpx2
+from _llama_url import llama_server  # examples/_llama_url.py: your server, or an emulated one
 
 import llama_guard.httpx2
-from llama_guard.testing import LlamaServerEmulator
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 20
-
-
-@contextmanager
-def llama_server() -> Iterator[str]:
-    """The base URL to use: the first argument, else LLAMA_URL, else an emulator started here."""
-    url = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("LLAMA_URL")
-    if url:
-        yield url
-        return
-    with LlamaServerEmulator(stream_close_delay=0.06) as server:  # see plain_httpx.py for the delay
-        yield server.url
 
 
 def chat(index: int) -> dict[str, object]:

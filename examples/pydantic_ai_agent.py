@@ -11,30 +11,16 @@ same works for LangChain's OpenAI integration, which also goes through the opena
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
+from _llama_url import llama_server  # examples/_llama_url.py: your server, or an emulated one
 from pydantic_ai import Agent
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 
 import llama_guard
-from llama_guard.testing import LlamaServerEmulator
 
 QUESTIONS = 10
-
-
-@contextmanager
-def llama_server() -> Iterator[str]:
-    """The base URL to use: the first argument, else LLAMA_URL, else an emulator started here."""
-    url = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("LLAMA_URL")
-    if url:
-        yield url
-        return
-    with LlamaServerEmulator(stream_close_delay=0.06) as server:  # see plain_httpx.py for the delay
-        yield server.url
 
 
 async def ask(agent: Agent[None, str]) -> list[str]:

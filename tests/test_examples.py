@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-STANDALONE = sorted(path.name for path in EXAMPLES.glob("*.py") if path.name != "fastapi_proxy.py")
+STANDALONE = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "fastapi_proxy.py" and not p.name.startswith("_"))
 
 
 def test_every_example_is_covered() -> None:
