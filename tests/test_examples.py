@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-STANDALONE = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name != "fastapi_proxy.py" and not p.name.startswith("_"))
+STANDALONE = sorted(
+    p.name for p in EXAMPLES.glob("*.py") if p.name != "fastapi_proxy.py" and not p.name.startswith("_")
+)
 
 
 def test_every_example_is_covered() -> None:
