@@ -103,9 +103,15 @@ async def burst(flavor: str, url: str, port: int, guarded: bool, clients: int) -
 
 def test_burst_stalls_plain_clients_and_not_guarded_ones(flavor: str) -> None:
     """The pool bug: plain clients' first requests sit unread; the probe replaces those connections."""
-    with LlamaServerEmulator(http_threads=4) as server:
-        plain = run_scenario(flavor, burst, flavor, server.url, server.port, False, 16)
-        plain_stuck = sum(len(d.errors) for d in plain)  # type: ignore[attr-defined]
+    # The control: a race, as on the real server (where about 1 fresh server in 5 shows no stall): up to three
+    # fresh emulators, until a burst leaves plain clients unanswered.
+    plain_stuck = 0
+    for _ in range(3):
+        with LlamaServerEmulator(http_threads=4) as server:
+            plain = run_scenario(flavor, burst, flavor, server.url, server.port, False, 16)
+            plain_stuck = sum(len(d.errors) for d in plain)  # type: ignore[attr-defined]
+        if plain_stuck:
+            break
     with LlamaServerEmulator(http_threads=4) as server:
         guarded = run_scenario(flavor, burst, flavor, server.url, server.port, True, 16)
         ran = server.stats().completions_started
