@@ -17,20 +17,37 @@ wall-clock time, though not immune: stolen and contended CPU inflates it).
 
 When guard/bare is above the target (1.03) the guard's hot path is profiled (or always, with ``--profile``), sync:
 
-* the guard's own Python: `GuardTransport` around an in-process canned transport that answers at once and emits
-  the trace events httpcore emits for a request on a pooled connection, against that canned transport bare;
-* its trace callback alone (the closure it installs, called with those events);
-* what the guard makes httpcore do: the five `Trace` blocks of a request with a no-op ``trace`` callback vs none,
-  and the time inside the pool's ``_assign_requests_to_connections`` with the guard's pool-race fix vs without
-  (``llama_guard/_pool_fix.py``), timed during real requests;
-* end to end on the server again, with the automatic cyclic gc on and off, and the objects per request that end in
-  reference cycles;
-* cProfile of the guard on the canned transport: functions and files by own time, per request.
+* the guard's own Python on its normal path: `GuardTransport` around an in-process canned transport that answers
+  at once, against that canned transport bare. The canned transport carries a stand-in pool (a ``_pool`` with a
+  ``_network_backend``), so the guard hooks that backend and sets no ``trace`` extension, as it does around an
+  `httpx.HTTPTransport` (the hooks act on new connections only: a request on a pooled connection passes none);
+* what the guard makes httpcore do on that path: the time inside the pool's ``_assign_requests_to_connections``
+  with the guard's pool-race fix vs without (``llama_guard/_pool_fix.py``), timed during real requests;
+* the whole stack in memory (`CannedBackend`: httpx, httpcore and h11 over an in-memory connection), guard vs bare
+  vs bare with the pool-race fix, with the automatic cyclic gc on and off, and the objects per request that end
+  in reference cycles;
+* cProfile of the guard (normal path) on the canned transport: functions and files by own time, per request;
+* apart, the trace FALLBACK, which the guard uses only when the wrapped transport has no reachable pool (a
+  transport that wraps another one): the guard around a canned transport without ``_pool`` (which then emits the
+  ten trace events httpcore emits for a request on a pooled connection) minus the guard on its normal path; the
+  fallback's trace callback alone (`_SyncTracer`, x10 events); and httpcore's own cost of a set ``trace``
+  extension (the five `Trace` blocks of a request, no-op callback vs none).
+
+Instruction counts (``--instructions`` for them alone; otherwise they end every run when valgrind is found, unless
+``--no-instructions``): the whole sync stack in memory (`CannedBackend`), one child Python per variant and request
+count under ``valgrind --tool=callgrind`` (two at a time), making 200 and, separately, 1200 requests; instructions
+per request = (Ir(1200) - Ir(200)) / 1000, which takes out start-up, imports and warm-up. They count the client's
+user-space instructions, whatever else the machine is doing, so they are the one figure of this benchmark that
+repeats on a shared machine: to a few instructions per request with the same software and environment (the
+children get a fixed one; a different environment moved the counts by 0.1%, through the memory layout). They leave
+out the kernel's time in system calls (none in memory; a real request makes several) and what an instruction costs:
+cache misses, branch mispredictions, and the slower clock of a loaded machine. They measure work done, not time.
 
 Usage::
 
     python benchmarks/overhead.py                       # 250 requests x 30 rounds per variant and client kind
     python benchmarks/overhead.py --requests 1000 --rounds 40 --profile
+    python benchmarks/overhead.py --instructions        # the instruction counts alone (about 5 minutes)
 """
 
 from __future__ import annotations
@@ -44,11 +61,15 @@ import dataclasses
 import gc
 import io
 import logging
+import os
 import pstats
+import re
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +89,10 @@ BODY: dict[str, Any] = {
     "temperature": 0.0,
 }
 TARGET = 1.03
+# Instruction counts: these variants, each in memory; two request counts, the difference is per request.
+INSTRUCTION_VARIANTS = ("bare", "guard", "bare+poolfix", "httpx-retries")
+INSTRUCTION_REQUESTS = (200, 1200)
+INSTRUCTION_JOBS = 2  # children under callgrind at a time (about 30 s each)
 VARIANTS = ("bare", "guard", "httpx-retries")
 # The guard's own default limits, for every variant alike (keep-alive expiry below llama-server's 5 s).
 LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=4.0)
@@ -130,9 +155,7 @@ def sync_client(variant: str, url: str) -> httpx.Client:
         transport = llama_guard.GuardTransport(inner)
     elif variant == "httpx-retries":
         transport = RetryTransport(transport=inner, retry=retry_config())
-    elif variant == "bare+trace":  # profiling: httpcore's cost of a trace extension, with a no-op callback
-        transport = inner
-    elif variant in ("bare+poolfix", "bare+trace+poolfix"):  # profiling: the guard's pool-race fix (+ a trace)
+    elif variant == "bare+poolfix":  # profiling: the guard's pool-race fix alone
         fix_pool_race(inner)
         transport = inner
     else:
@@ -158,9 +181,7 @@ def _noop_trace(event: str, info: dict[str, Any]) -> None:
     pass
 
 
-def run_sync(
-    client: httpx.Client, n: int, extensions: dict[str, Any] | None = None, *, gc_off: bool = False
-) -> tuple[float, float]:
+def run_sync(client: httpx.Client, n: int, *, gc_off: bool = False) -> tuple[float, float]:
     """Wall-clock and client CPU seconds per request, for ``n`` requests one after the other (``gc_off``: with the
     automatic cyclic garbage collector disabled meanwhile)."""
     gc.collect()
@@ -169,7 +190,7 @@ def run_sync(
     try:
         started, cpu_started = time.perf_counter(), time.thread_time()
         for _ in range(n):
-            response = client.post(PATH, json=BODY, extensions=extensions)
+            response = client.post(PATH, json=BODY)
             if response.status_code != 200:
                 raise RuntimeError(f"unexpected status {response.status_code}")
         return (time.perf_counter() - started) / n, (time.thread_time() - cpu_started) / n
@@ -218,15 +239,13 @@ def measure_sync(
     ``make(variant, url)`` builds the clients (default `sync_client`)."""
     make = make or sync_client
     clients = {v: make(v.removesuffix(" gc-off"), url) for v in variants}
-    extensions = {v: ({"trace": _noop_trace} if v.startswith("bare+trace") else None) for v in variants}
     try:
-        for variant, client in clients.items():
-            run_sync(client, warmup, extensions[variant])
+        for client in clients.values():
+            run_sync(client, warmup)
         results = Measured.empty(variants)
         for r in range(rounds):
             for variant in rotated(variants, r):
-                sample = run_sync(clients[variant], requests, extensions[variant], gc_off=variant.endswith("gc-off"))
-                results.add(variant, sample)
+                results.add(variant, run_sync(clients[variant], requests, gc_off=variant.endswith("gc-off")))
         return results
     finally:
         for client in clients.values():
@@ -295,7 +314,9 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
 class CannedTransport(httpx.BaseTransport):
     """Answers at once with one prebuilt response (no I/O, next to no work of its own), emitting the trace events
     httpcore emits for a request on a pooled connection when the request carries a ``trace`` extension (as the
-    guard's attempts do). Keeps the last trace callback it saw."""
+    guard's attempts do on its trace fallback). Keeps the last trace callback it saw.
+
+    It has no ``_pool``: a guard around it takes the trace fallback. `PooledCannedTransport` has one."""
 
     def __init__(self) -> None:
         self.last_trace: Callable[[str, dict[str, Any]], None] | None = None
@@ -310,6 +331,23 @@ class CannedTransport(httpx.BaseTransport):
             for event in POOLED_TRACE_EVENTS:
                 trace(event, self._info)
         return self._response
+
+
+class CannedPool:
+    """Stands in for an httpcore pool where the guard looks for one: only the network backend it hooks."""
+
+    def __init__(self) -> None:
+        self._network_backend: httpcore.NetworkBackend = httpcore.SyncBackend()
+
+
+class PooledCannedTransport(CannedTransport):
+    """`CannedTransport` with a stand-in pool, so that a guard around it takes its normal path: hooks on the pool's
+    network backend (which the canned transport never calls: every request is as on a pooled connection), no
+    ``trace`` extension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pool = CannedPool()
 
 
 class CannedStream(httpcore.NetworkStream):
@@ -357,7 +395,11 @@ def in_memory_client(variant: str, url: str = "http://127.0.0.1:8080") -> httpx.
     """A client of ``variant`` (as `sync_client`) whose connections are in memory (`CannedStream`)."""
     client = sync_client(variant, url)
     transport = client._transport
-    inner: Any = transport.transport if isinstance(transport, llama_guard.GuardTransport) else transport
+    inner: Any = transport
+    if isinstance(transport, llama_guard.GuardTransport):
+        inner = transport.transport
+    elif isinstance(transport, RetryTransport):
+        inner = transport._sync_transport
     inner._pool._network_backend = CannedBackend(CANNED_RESPONSE)
     return client
 
@@ -467,14 +509,23 @@ def _cyclic_garbage(requests: int) -> tuple[float, float, str]:
 
 
 def guard_alone(rounds: int, requests: int) -> tuple[Rounds, cProfile.Profile, float]:
-    """The guard's own cost on a canned transport (no I/O): rounds, a cProfile of it, its trace callback's cost."""
+    """The guard's own cost on a canned transport (no I/O): rounds of the bare canned transport, of the guard on its
+    normal path (a pool to hook) and of the guard on its trace fallback (no pool); a cProfile of the normal path;
+    the fallback's trace callback alone."""
     url = "http://127.0.0.1:8080"
-    canned_bare = CannedTransport()
-    canned_inner = CannedTransport()
-    guarded = llama_guard.GuardTransport(canned_inner)
-    variants: dict[str, httpx.BaseTransport] = {"canned": canned_bare, "guard(canned)": guarded}
+    pooled_inner = PooledCannedTransport()
+    fallback_inner = CannedTransport()
+    guarded = llama_guard.GuardTransport(pooled_inner)
+    variants: dict[str, httpx.BaseTransport] = {
+        "canned": CannedTransport(),
+        "guard(canned)": guarded,
+        "guard(canned, no pool)": llama_guard.GuardTransport(fallback_inner),
+    }
     for transport in variants.values():
         _time_direct(transport, _requests(url, 2000))
+    # The guard took the path each variant is for: no trace extension with a pool to hook, one without.
+    if pooled_inner.last_trace is not None or fallback_inner.last_trace is None:
+        raise RuntimeError("the guard did not take the expected path (hooks on the pool vs trace fallback)")
     results: Rounds = {name: [] for name in variants}
     for r in range(rounds):
         for name in rotated(list(variants), r):
@@ -490,8 +541,8 @@ def guard_alone(rounds: int, requests: int) -> tuple[Rounds, cProfile.Profile, f
     profiler.disable()
     gc.enable()
 
-    # The guard's trace callback alone: the closure it installed, called with a pooled request's events.
-    trace = canned_inner.last_trace
+    # The fallback's trace callback alone: the last one the guard installed, called with a pooled request's events.
+    trace = fallback_inner.last_trace
     assert trace is not None
     info: dict[str, Any] = {}
     per_request = []
@@ -544,8 +595,8 @@ def _profile_tables(profiler: cProfile.Profile, guard_own: float, limit: int = 2
     ]
     headers = ["function", "calls/req", "share", "≈ own µs/req", "≈ cum µs/req"]
     return (
-        f"cProfile of {requests} requests through GuardTransport(canned); shares of the profiled time, and "
-        f"'≈ µs' = share x the unprofiled cost of the guard's own Python ({guard_own * 1e6:.1f} µs):\n"
+        f"cProfile of {requests} requests through GuardTransport(canned), normal path; shares of the profiled "
+        f"time, and '≈ µs' = share x the unprofiled cost of the guard's own Python ({guard_own * 1e6:.1f} µs):\n"
         + table(headers, rows)
         + "\n\nOwn time by file:\n"
         + table(["file", "share", "≈ µs/req"], file_rows)
@@ -570,14 +621,19 @@ def profile(rounds: int, requests: int, bare_on_server: float) -> str:
     short_rounds, short_requests = max(4 * rounds, 40), 100
     stack = measure_sync(
         "http://127.0.0.1:8080",
-        ("bare", "guard", "bare gc-off", "bare+trace+poolfix gc-off", "guard gc-off"),
+        ("bare", "guard", "bare gc-off", "bare+poolfix gc-off", "guard gc-off"),
         short_rounds,
         short_requests,
         200,
         make=in_memory_client,
     ).cpu
     alone, profiler, trace_cb = guard_alone(rounds, requests)
-    guard_hot = median([g - c for g, c in zip(alone["guard(canned)"], alone["canned"], strict=True)])
+
+    def alone_difference(top: str, bottom: str) -> float:
+        return median([t - b for t, b in zip(alone[top], alone[bottom], strict=True)])
+
+    guard_hot = alone_difference("guard(canned)", "canned")
+    fallback_extra = alone_difference("guard(canned, no pool)", "guard(canned)")
     trace_machinery = _time_trace_machinery(rounds, requests)
     pool_original, pool_fixed = _time_pool_fix(rounds, requests)
     pool_fix = pool_fixed - pool_original
@@ -590,8 +646,8 @@ def profile(rounds: int, requests: int, bare_on_server: float) -> str:
     bare = median(stack["bare"])
     whole, whole_iqr = difference("guard", "bare")
     whole_off, whole_off_iqr = difference("guard gc-off", "bare gc-off")
-    httpcore_side, httpcore_iqr = difference("bare+trace+poolfix gc-off", "bare gc-off")
-    own, own_iqr = difference("guard gc-off", "bare+trace+poolfix gc-off")
+    pool_fix_side, pool_fix_iqr = difference("bare+poolfix gc-off", "bare gc-off")
+    own, own_iqr = difference("guard gc-off", "bare+poolfix gc-off")
 
     def row(part: str, value: float, how: str) -> list[str]:
         return [part, us(value), f"{value / bare * 100:.1f}%", f"{value / bare_on_server * 100:.1f}%", how]
@@ -605,38 +661,111 @@ def profile(rounds: int, requests: int, bare_on_server: float) -> str:
             f"gc on - gc off; objects/req in cycles: bare {garbage_bare:.0f}, guard {garbage_guard:.0f}",
         ),
         row("  guard - bare, automatic gc off", whole_off, whole_off_iqr),
-        row(
-            "    httpcore's extra work, in the stack",
-            httpcore_side,
-            f"bare+no-op trace+pool fix - bare; {httpcore_iqr}",
-        ),
-        row("      httpcore tracing, alone", trace_machinery, "httpcore Trace blocks x5, no-op callback vs none"),
+        row("    pool-race fix, in the stack", pool_fix_side, f"bare+pool fix - bare; {pool_fix_iqr}"),
         row(
             "      pool-race fix, alone",
             pool_fix,
             f"_assign_requests_to_connections x2: {us(pool_fixed)} fixed vs {us(pool_original)} original",
         ),
-        row("    the guard's own code, in the stack", own, f"guard - (bare+no-op trace+pool fix); {own_iqr}"),
+        row("    the guard's own code, in the stack", own, f"guard - (bare+pool fix); {own_iqr}"),
         row(
             "      the same code hot, in a loop",
             guard_hot,
             f"GuardTransport(canned) {us(median(alone['guard(canned)']))} - canned {us(median(alone['canned']))}",
         ),
+    ]
+    fallback_rows = [
         row(
-            "        of which its trace callback", trace_cb, "the closure GuardTransport._attempt installs, x10 events"
+            "trace fallback - normal path, guard's code hot",
+            fallback_extra,
+            f"GuardTransport(canned, no pool) {us(median(alone['guard(canned, no pool)']))} - GuardTransport(canned) "
+            f"{us(median(alone['guard(canned)']))}",
+        ),
+        row("  of which its trace callback", trace_cb, "_SyncTracer (trace fallback only), x10 events"),
+        row(
+            "httpcore tracing, alone (trace fallback only)",
+            trace_machinery,
+            "httpcore Trace blocks x5, no-op callback vs none",
         ),
     ]
     noise = max(spread(v) for v in stack.values())
+    headers = ["part", "µs/req", "% of bare", "% of bare on server", "measured as"]
     return "\n".join(
         [
             f"Where the guard's cost goes: client CPU µs/request, sync, medians of {short_rounds} interleaved rounds "
             f"of {short_requests} (whole stack) and of {rounds} rounds of {requests} (parts alone); '% of bare' = "
             f"of the bare request in memory, '% of bare on server' = of the bare request's wall time on the server "
-            f"above ({us(bare_on_server)} µs). Round spread of the in-memory rounds: {noise * 100:.0f}%.",
-            table(["part", "µs/req", "% of bare", "% of bare on server", "measured as"], rows),
+            f"above ({us(bare_on_server)} µs). Round spread of the in-memory rounds: {noise * 100:.0f}%. The guard "
+            "takes its normal path here (hooks on the pool's network backend, no trace extension).",
+            table(headers, rows),
             f"The guard's objects left in reference cycles, per request: {garbage_types}",
             "",
+            "The trace fallback, which the guard uses instead of the hooks only when the wrapped transport has no "
+            "reachable pool (a transport wrapping another one); not part of the figures above. Its extra cost over "
+            "the normal path is about the sum of the first and last rows:",
+            table(headers, fallback_rows),
+            "",
             _profile_tables(profiler, guard_hot),
+        ]
+    )
+
+
+# -- instruction counts -------------------------------------------------------------------------------------------
+
+
+def _callgrind(valgrind: str, variant: str, requests: int) -> int:
+    """User-space instructions (Ir) of a child Python that makes ``requests`` in-memory requests of ``variant``."""
+    command = [
+        valgrind,
+        "--tool=callgrind",
+        "--callgrind-out-file=/dev/null",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--instructions-child",
+        variant,
+        str(requests),
+    ]
+    # The same process wherever this script is started from: the same hashes, no .pyc written by one child and read
+    # by the next, and the same working directory and environment (their size moves the memory layout, and with
+    # it the count: starting from another directory changed it by 0.1%).
+    here = str(Path(__file__).resolve().parent)
+    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "PWD": here}
+    env |= {"PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=here, check=False)
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise RuntimeError(f"callgrind of {variant} x{requests} failed (exit {done.returncode}): {done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def instruction_counts(valgrind: str, variants: tuple[str, ...] = INSTRUCTION_VARIANTS) -> dict[str, float]:
+    """Instructions per request of each variant, whole sync stack in memory: (Ir(N2) - Ir(N1)) / (N2 - N1)."""
+    n1, n2 = INSTRUCTION_REQUESTS
+    jobs = [(variant, n) for n in (n2, n1) for variant in variants]  # the long ones first: two finish together
+    with ThreadPoolExecutor(max_workers=INSTRUCTION_JOBS) as pool:
+        counts = dict(zip(jobs, pool.map(lambda job: _callgrind(valgrind, *job), jobs), strict=True))
+    return {variant: (counts[variant, n2] - counts[variant, n1]) / (n2 - n1) for variant in variants}
+
+
+def instruction_table(per_request: dict[str, float]) -> str:
+    n1, n2 = INSTRUCTION_REQUESTS
+    bare = per_request["bare"]
+    rows = [
+        [variant, f"{count:,.0f}", f"{count - bare:+,.0f}", f"{count / bare:.3f}"]
+        for variant, count in per_request.items()
+    ]
+    return "\n".join(
+        [
+            f"Instructions per request (callgrind Ir), sync, whole stack in memory (CannedBackend): "
+            f"(Ir({n2} requests) - Ir({n1} requests)) / {n2 - n1}, one child Python each. They count the client's "
+            "user-space instructions whatever else the machine does, so they are the one figure here that repeats "
+            "on a shared machine (to a few instructions per request, same software and environment); they leave "
+            "out the kernel's time in system calls (none in memory, several per real request) and what an "
+            "instruction costs (cache misses, branch mispredictions, clock), so they measure work, not time. "
+            "bare+poolfix: bare with the guard's pool-race fix alone.",
+            table(["variant", "instructions/request", "vs bare", "ratio to bare"], rows),
         ]
     )
 
@@ -647,16 +776,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
     parser.add_argument("--warmup", type=int, default=500, help="warm-up requests per variant (default 500)")
     parser.add_argument("--profile", action="store_true", help="profile the guard even when within the target")
+    instructions = parser.add_mutually_exclusive_group()
+    instructions.add_argument(
+        "--instructions",
+        action="store_true",
+        help="only the instruction counts (callgrind; by default they end the run when valgrind is found)",
+    )
+    instructions.add_argument("--no-instructions", action="store_true", help="skip the instruction counts")
+    # Internal: one child of the instruction counts (run under callgrind).
+    parser.add_argument("--instructions-child", nargs=2, metavar=("VARIANT", "REQUESTS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.requests < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--requests and --rounds must be >= 1, --warmup >= 0")
+    if args.instructions_child:
+        variant, requests = args.instructions_child
+        with in_memory_client(variant) as client:
+            run_sync(client, int(requests))
+        return 0
+    valgrind = None if args.no_instructions else shutil.which("valgrind")
+    if args.instructions and valgrind is None:
+        parser.error("--instructions needs valgrind (not found on PATH)")
 
     print(f"machine: {machine()}")
+    started = time.monotonic()
+    if args.instructions:
+        assert valgrind is not None
+        print()
+        print(instruction_table(instruction_counts(valgrind)))
+        print(f"\n({time.monotonic() - started:.0f} s)")
+        return 0
     print(
         f"httpx {httpx.__version__}, llama_guard {llama_guard.__version__}; {args.rounds} rounds x "
         f"{args.requests} requests per variant, {args.warmup} warm-up; keep-alive server in its own process"
     )
-    started = time.monotonic()
     with keepalive_server() as url:
         by_kind: dict[str, Measured] = {
             "sync httpx.Client": measure_sync(url, VARIANTS, args.rounds, args.requests, args.warmup),
@@ -678,6 +830,11 @@ def main(argv: list[str] | None = None) -> int:
         if max(worst.values()) > TARGET or args.profile:
             print()
             print(profile(args.rounds, args.requests, median(by_kind["sync httpx.Client"].wall["bare"])))
+    if valgrind is not None:
+        print()
+        print(instruction_table(instruction_counts(valgrind)))
+    elif not args.no_instructions:
+        print("\n(instruction counts skipped: valgrind not found)")
     print(f"\n({time.monotonic() - started:.0f} s)")
     return 0
 
