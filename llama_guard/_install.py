@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -102,7 +103,7 @@ class Installation:
 
     def _covers(self, url: Any) -> bool:
         """Whether a request to ``url`` goes to a guard: always in "auto" mode, which must see it to learn."""
-        return self._registry.learns or self._registry.is_llama(Origin.of(url.scheme, url.host, url.port))
+        return self._registry.learns or self._registry.is_llama(Origin.of_url(url))
 
     def _guard_for(self, instance: Any, target: _Target, original: Callable[..., Any]) -> Any:
         guard = self._guards.get(instance)
@@ -258,8 +259,6 @@ def _patch_module(module: Any) -> None:
 
 
 def _patch_if_imported(target: _Target) -> None:
-    import sys
-
     module = sys.modules.get(target.module)
     if _current is None or module is None or target in _handles:
         return

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 __all__ = ["Origin", "OriginRegistry", "parse_origin"]
@@ -26,6 +26,11 @@ class Origin(NamedTuple):
     def of(cls, scheme: str, host: str, port: int | None) -> Origin:
         scheme = scheme.lower()
         return cls(scheme, host.lower().strip("[]"), port if port is not None else _DEFAULT_PORTS.get(scheme, 0))
+
+    @classmethod
+    def of_url(cls, url: Any) -> Origin:
+        """The origin of an httpx or httpx2 ``URL`` (anything with ``scheme``, ``host`` and ``port``)."""
+        return cls.of(url.scheme, url.host, url.port)
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host

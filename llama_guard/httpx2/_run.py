@@ -142,8 +142,7 @@ class RequestRun:
     def origin(self) -> Origin:
         """Where the request goes (worked out only when needed: with ``origins="all"`` the happy path never is)."""
         if self._origin is None:
-            url = self.request.url
-            self._origin = Origin.of(url.scheme, url.host, url.port)
+            self._origin = Origin.of_url(self.request.url)
         return self._origin
 
     @property

@@ -36,10 +36,6 @@ __all__ = ["GuardTransport"]
 DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
 
 
-def origin_of(url: httpx.URL) -> Origin:
-    return Origin.of(url.scheme, url.host, url.port)
-
-
 class GuardTransport(httpx.BaseTransport):
     """An httpx transport that makes a pooled client safe against llama-server.
 
@@ -98,7 +94,7 @@ class GuardTransport(httpx.BaseTransport):
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         origin = None
         if not self._origins.every_origin:
-            origin = origin_of(request.url)
+            origin = Origin.of_url(request.url)
             if not self._origins.is_llama(origin):
                 return self._pass_through(request, origin)
         overrides = request.extensions.get(EXTENSION)
@@ -148,14 +144,16 @@ class GuardTransport(httpx.BaseTransport):
     def _attempt(self, run: RequestRun) -> httpx.Response:
         prober = self._probe if run.policy.probe and not run.server_reads_connections else None
         pool = self._pool
-        attempt = None
-        trace = None
+        tracker: ProgressTracker
         if pool is not None:
-            attempt = Attempt(run, prober)
+            # The usual way: the hooks on the pool's backend report to this attempt; no trace extension.
+            tracker = attempt = Attempt(run, prober)
+            trace = None
             if not isinstance(pool._network_backend, SyncGuardedBackend):
                 track_connections(pool)  # someone replaced the pool's backend after we wrapped it
-        tracker = attempt if attempt is not None else ProgressTracker()
-        if attempt is None:
+        else:
+            tracker = ProgressTracker()
+            attempt = None
             trace = _SyncTracer(run, tracker, prober)
         token = CURRENT_ATTEMPT.set(attempt)
         try:
