@@ -1,36 +1,40 @@
-"""The attempt in progress in this thread or task, for the connection-level hooks to report to.
+"""The guarded request whose attempt is in progress in this thread or task, for the connection hooks to serve.
 
-The guard follows each attempt (how far it got: connected, writing, waiting for headers) and probes new
-connections from inside httpcore's pool, through a wrapper of the pool's network backend (``_async_network.py``).
-That wrapper is per pool and shared by every request; it learns which attempt it is serving from this context
-variable, which the transport sets around the one call that runs an attempt. A context variable is per thread
-(sync clients) and per task (asyncio, trio), as an attempt is, and costs next to nothing to set and read: far less
-than httpcore's per-request ``trace`` extension, which the guard used before (ten callbacks a request).
+The guard follows each attempt (did it open a new connection, did that connect and its probe succeed) and probes
+new connections from inside httpcore's pool, through a wrapper of the pool's network backend
+(``_async_network.py``). That wrapper is per pool and shared by every request; it learns which request it is
+serving from this context variable, which the transport sets around the one call that runs an attempt. A context
+variable is per thread (sync clients) and per task (asyncio, trio), as an attempt is, and costs next to nothing to
+set and read: far less than httpcore's per-request ``trace`` extension, which the guard used before (ten callbacks
+a request). The value is the request's `RequestRun`, which keeps the progress of its current attempt; nothing is
+built for an attempt that finds a pooled connection.
 """
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any
+from typing import Any, Protocol
 
-from ._decisions import ProgressTracker
+from ._origins import Origin
 
-__all__ = ["CURRENT_ATTEMPT", "Attempt"]
-
-
-class Attempt(ProgressTracker):
-    """One attempt of a guarded request: its progress, as the connection hooks report it, and what they need.
-
-    ``run``: the request's `RequestRun`. ``prober``: the transport's probe coroutine (or function) when new
-    connections must be probed, else None.
-    """
-
-    __slots__ = ("prober", "run")
-
-    def __init__(self, run: Any, prober: Any) -> None:
-        super().__init__(hooked=True)
-        self.run = run
-        self.prober = prober
+__all__ = ["CURRENT_ATTEMPT", "GuardedRequest"]
 
 
-CURRENT_ATTEMPT: contextvars.ContextVar[Attempt | None] = contextvars.ContextVar("llama_guard_attempt", default=None)
+class GuardedRequest(Protocol):
+    """What the connection hooks use of a `RequestRun` (of the httpx or the httpx2 flavour)."""
+
+    @property
+    def request(self) -> Any: ...  # the httpx (or httpx2) request
+    @property
+    def origin(self) -> Origin: ...
+    @property
+    def guard(self) -> Any: ...  # the transport, whose ``_probe`` probes a new connection
+    @property
+    def probing(self) -> bool: ...
+    def connecting(self) -> None: ...
+    def connected(self) -> None: ...
+
+
+CURRENT_ATTEMPT: contextvars.ContextVar[GuardedRequest | None] = contextvars.ContextVar(
+    "llama_guard_attempt", default=None
+)

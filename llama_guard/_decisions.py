@@ -93,10 +93,10 @@ def is_streaming_response(headers: Mapping[str, str]) -> bool:
         # httpx's and httpx2's Headers keep (raw name, lower-case name, value) triples: one pass over them costs
         # less than two lookups, each of which walks the list too (this runs for every response).
         for _, name, value in items:
-            if name == b"transfer-encoding":
-                if b"chunked" in value.lower():
+            if name == b"content-type":  # first: every response has one
+                if value[:17].lower() == b"text/event-stream":
                     return True
-            elif name == b"content-type" and value[:17].lower() == b"text/event-stream":
+            elif name == b"transfer-encoding" and value.lower().find(b"chunked") != -1:
                 return True
         return False
     return "chunked" in headers.get("transfer-encoding", "").lower() or headers.get(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["EXTENSION", "GuardResult"]
 
@@ -10,9 +10,12 @@ __all__ = ["EXTENSION", "GuardResult"]
 EXTENSION = "llama_guard"
 
 
-@dataclass(frozen=True, slots=True)
-class GuardResult:
-    """The guard's account of one request.
+class GuardResult(NamedTuple):
+    """The guard's account of one request: an immutable value.
+
+    A named tuple rather than a frozen dataclass because one is built for every request: a frozen dataclass sets
+    each field through ``object.__setattr__``, which cost several times the rest of building the result. As any
+    named tuple, it has ``_asdict()`` and ``_replace()``.
 
     Attributes:
         attempts: attempts made, the first included (1 when nothing went wrong).

@@ -15,8 +15,8 @@ import httpx
 import tenacity
 
 from ._sync_network import SyncGuardedBackend, track_connections
-from ._attempt import CURRENT_ATTEMPT, Attempt
-from ._decisions import ProgressTracker, is_streaming_response
+from ._attempt import CURRENT_ATTEMPT
+from ._decisions import is_streaming_response
 from ._exceptions import ProbeError, ProbeTimeout
 from ._log import logger
 from ._origins import Origin, OriginRegistry
@@ -68,6 +68,7 @@ class GuardTransport(httpx.BaseTransport):
             self._pool = None
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
+        self._every_origin = self._origins.every_origin  # read for every request
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
         self.stats = GuardStats()
@@ -93,13 +94,13 @@ class GuardTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         origin = None
-        if not self._origins.every_origin:
+        if not self._every_origin:
             origin = Origin.of_url(request.url)
             if not self._origins.is_llama(origin):
                 return self._pass_through(request, origin)
         overrides = request.extensions.get(EXTENSION)
         policy = self._policy if overrides is None else self._policy.merged(overrides)
-        run = RequestRun(request, origin, policy, self.stats)
+        run = RequestRun(request, origin, policy, self)
         try:
             # The first attempt runs bare: most requests succeed at once and should not pay for retry machinery.
             try:
@@ -111,11 +112,16 @@ class GuardTransport(httpx.BaseTransport):
                     raise
                 response = self._retry(run, exc)
             else:
-                if run.may_retry:
+                if run.verdict is not None and run.verdict.retry:
                     response = self._retry(run, response)
-            return self._deliver(response, run)
+            closing = run.close_connection
+            if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
+                closing = self._drop_after_stream(response)
+            response.extensions[EXTENSION] = run.result(closing)
+            return response
         finally:
-            run.record()  # one locked update of the counters per request, however it ended
+            # One locked update of the counters per request, however it ended.
+            run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
 
     def _retry(self, run: RequestRun, first: httpx.Response | Exception) -> httpx.Response:
         """Attempts after the first, paced and bounded by tenacity.
@@ -142,32 +148,30 @@ class GuardTransport(httpx.BaseTransport):
         return response
 
     def _attempt(self, run: RequestRun) -> httpx.Response:
-        prober = self._probe if run.policy.probe and not run.server_reads_connections else None
         pool = self._pool
-        tracker: ProgressTracker
         if pool is not None:
-            # The usual way: the hooks on the pool's backend report to this attempt; no trace extension.
-            tracker = attempt = Attempt(run, prober)
+            # The usual way: the hooks on the pool's backend report to this request (nothing is built for an
+            # attempt that finds a pooled connection); no trace extension.
+            current = run
             trace = None
             if not isinstance(pool._network_backend, SyncGuardedBackend):
                 track_connections(pool)  # someone replaced the pool's backend after we wrapped it
         else:
-            tracker = ProgressTracker()
-            attempt = None
-            trace = _SyncTracer(run, tracker, prober)
-        token = CURRENT_ATTEMPT.set(attempt)
+            current = None
+            trace = _SyncTracer(run, self._probe)
+        request = run.begin_attempt(trace)
+        token = CURRENT_ATTEMPT.set(current)
         try:
-            response = self._transport.handle_request(run.begin_attempt(trace))
+            response = self._transport.handle_request(request)
         except Exception as exc:
-            error = run.attempt_failed(exc, tracker)
+            error = run.attempt_failed(exc)
             if error is exc:
                 raise
             raise error from exc
         finally:
             CURRENT_ATTEMPT.reset(token)
             run.end_attempt()
-        run.headers_arrived(response)
-        if run.may_retry:
+        if run.headers_arrived(response):
             # A short error body; read it so the connection goes back to the pool, and so the caller still gets
             # it whole if this turns out to be the last attempt.
             try:
@@ -239,13 +243,6 @@ class GuardTransport(httpx.BaseTransport):
                 request=run.request,
             )
 
-    def _deliver(self, response: httpx.Response, run: RequestRun) -> httpx.Response:
-        closing = run.close_connection
-        if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
-            closing = self._drop_after_stream(response)
-        response.extensions[EXTENSION] = run.result(connection_closed=closing)
-        return response
-
     def _pass_through(self, request: httpx.Request, origin: Origin) -> httpx.Response:
         self.stats.add(passthrough=1)
         response = self._transport.handle_request(request)
@@ -272,11 +269,10 @@ class _SyncTracer:
     """For a wrapped transport whose pool the guard cannot reach: the ``trace`` extension of one attempt, which
     follows its progress, probes a new connection, and passes every event on to the caller's own trace callback."""
 
-    __slots__ = ("_direct", "_probe_event", "_prober", "_run", "_tracker", "_user_trace")
+    __slots__ = ("_direct", "_probe_event", "_prober", "_run", "_user_trace")
 
-    def __init__(self, run: RequestRun, tracker: ProgressTracker, prober: Any) -> None:
+    def __init__(self, run: RequestRun, prober: Any) -> None:
         self._run = run
-        self._tracker = tracker
         self._prober = prober
         # The probe goes right after the connection is ready for HTTP: after TLS for https.
         https = run.request.url.scheme == "https"
@@ -285,11 +281,13 @@ class _SyncTracer:
         self._direct = True  # False when httpcore connects to a proxy, not to the origin: nothing to probe then
 
     def __call__(self, event: str, info: dict[str, Any]) -> None:
-        self._tracker.observe(event)
+        run = self._run
+        assert run.tracker is not None  # begin_attempt() makes one for an attempt followed by trace events
+        run.tracker.observe(event)
         if event == "connection.connect_tcp.started":
-            self._direct = (info.get("host"), info.get("port")) == (self._run.request.url.host, self._run.origin.port)
-        elif event == self._probe_event and self._direct and self._prober is not None:
-            self._prober(info["return_value"], self._run)
+            self._direct = (info.get("host"), info.get("port")) == (run.request.url.host, run.origin.port)
+        elif event == self._probe_event and self._direct and run.probing:
+            self._prober(info["return_value"], run)
         if self._user_trace is not None:
             self._user_trace(event, info)
 

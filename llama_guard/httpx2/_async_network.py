@@ -5,9 +5,9 @@ This file is generated from ``_async_network.py`` by ``scripts/unasync.py``.
 
 The guard must probe each new connection before httpcore writes a request to it, and must know, when an attempt
 fails, whether it failed connecting (nothing sent) or on a connection (maybe sent). Both are per connection, not per
-request: the backend wrapper probes each connection it opens for a guarded attempt and reports the connect to that
-attempt (`CURRENT_ATTEMPT`, set by the transport). Requests on pooled connections pay nothing here, and the streams
-httpcore reads and writes are its own, unwrapped (an https connection only until its TLS handshake).
+request: the backend wrapper probes each connection it opens for a guarded attempt and reports the connect to the
+attempt's request (`CURRENT_ATTEMPT`, set by the transport). Requests on pooled connections pay nothing here, and the
+streams httpcore reads and writes are its own, unwrapped (an https connection only until its TLS handshake).
 """
 
 from __future__ import annotations
@@ -45,32 +45,31 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
-        attempt = CURRENT_ATTEMPT.get()
-        if attempt is not None:
-            attempt.connecting()
+        run = CURRENT_ATTEMPT.get()
+        if run is not None:
+            run.connecting()
         stream = await self._backend.connect_tcp(
             host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
         )
-        if attempt is None:
+        if run is None:
             return stream
-        run = attempt.run
         # Probe only a connection to the origin itself: through an HTTP proxy the connection is the proxy's.
-        if attempt.prober is not None and host == run.request.url.host and port == run.origin.port:
+        if run.probing and host == run.request.url.host and port == run.origin.port:
             if run.request.url.scheme == "https":
-                return _AsyncProbeAfterTls(stream, attempt)  # the probe must wait for the TLS handshake
-            await attempt.prober(stream, run)  # closes the stream and raises if the probe fails
-        attempt.connected()
+                return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
+            await run.guard._probe(stream, run)  # closes the stream and raises if the probe fails
+        run.connected()
         return stream
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Any = None
     ) -> httpcore.AsyncNetworkStream:
-        attempt = CURRENT_ATTEMPT.get()
-        if attempt is not None:
-            attempt.connecting()
+        run = CURRENT_ATTEMPT.get()
+        if run is not None:
+            run.connecting()
         stream = await self._backend.connect_unix_socket(path, timeout=timeout, socket_options=socket_options)
-        if attempt is not None:
-            attempt.connected()
+        if run is not None:
+            run.connected()
         return stream
 
     async def sleep(self, seconds: float) -> None:
@@ -81,16 +80,16 @@ class _AsyncProbeAfterTls(httpcore.AsyncNetworkStream):
     """A new https connection to probe once httpcore has done its TLS handshake; the TLS stream that
     `start_tls` returns is httpcore's own, not wrapped."""
 
-    def __init__(self, stream: httpcore.AsyncNetworkStream, attempt: Any) -> None:
+    def __init__(self, stream: httpcore.AsyncNetworkStream, run: Any) -> None:
         self._stream = stream
-        self._attempt = attempt
+        self._run = run
 
     async def start_tls(
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.AsyncNetworkStream:
         stream = await self._stream.start_tls(ssl_context, server_hostname, timeout)
-        await self._attempt.prober(stream, self._attempt.run)  # skips HTTP/2 connections (ALPN "h2")
-        self._attempt.connected()
+        await self._run.guard._probe(stream, self._run)  # skips HTTP/2 connections (ALPN "h2")
+        self._run.connected()
         return stream
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:

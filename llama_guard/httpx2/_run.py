@@ -21,6 +21,7 @@ from .._decisions import (
     classify_request,
     verdict_for_failure,
     verdict_for_status,
+    wants_stream,
 )
 from ._exceptions import FirstByteTimeout, failure_kind, guarded_error
 from .._log import describe_request, logger, without_quoted_values
@@ -30,7 +31,7 @@ from .._probe import probe_deadline
 from .._result import EXTENSION, GuardResult
 from .._stats import GuardStats
 
-__all__ = ["RequestRun", "replayable_body"]
+__all__ = ["RequestRun"]
 
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
@@ -42,6 +43,8 @@ MAX_SOCKET_WAIT = 1e6
 RETRIED_STATUSES = frozenset({429, 503})
 # The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
 STATUS_BACKOFF = 0.5
+
+_new_result = tuple.__new__
 
 
 class ReplayableBody(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -80,18 +83,21 @@ class _OneChunk:
         return content
 
 
-def replayable_body(request: httpx.Request) -> bytes | None:
-    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
-    try:
-        return request.content
-    except httpx.RequestNotRead:
-        return None
-
-
 class RequestRun:
-    """State of one guarded request across its attempts. Slotted: one is built for every request."""
+    """State of one guarded request across its attempts, including how far its current attempt got.
 
+    Built for every request, so the request's happy path (one attempt on a pooled connection) does as little as it
+    can: it looks at the body for ``"stream": true`` and nothing else. What only a failure needs (the request's
+    method, path and idempotency as a `RequestKind`, the caller's timeouts, the attempt's progress) is worked out
+    when a failure asks for it. Slotted.
+
+    ``guard`` is the transport, whose ``stats`` count the request and whose probe the connection hooks call.
+    """
+
+    # Set when first needed, not in __init__: _kind (the `kind` property), tracker and attempt_timeouts
+    # (begin_attempt).
     __slots__ = (
+        "_kind",
         "_origin",
         "attempt_timeouts",
         "attempts",
@@ -101,42 +107,59 @@ class RequestRun:
         "deadline_applied",
         "failed_probes",
         "first_byte",
+        "guard",
         "history",
-        "kind",
         "policy",
         "reconnects",
         "request",
         "server_reads_connections",
         "started",
         "stats",
+        "stream",
+        "tracker",
         "user_extensions",
         "user_stream",
-        "user_timeouts",
         "verdict",
     )
+    _kind: RequestKind
+    tracker: ProgressTracker | None
+    attempt_timeouts: dict[str, float | None]
 
-    def __init__(self, request: httpx.Request, origin: Origin | None, policy: GuardPolicy, stats: GuardStats) -> None:
+    def __init__(self, request: httpx.Request, origin: Origin | None, policy: GuardPolicy, guard: Any) -> None:
         self.request = request
         self._origin = origin
         self.policy = policy
-        self.stats = stats
-        self.body = replayable_body(request)
-        self.kind: RequestKind = classify_request(request.method, request.url.path, self.body)
-        self.close_connection = policy.stream_mode == "close" and self.kind.stream
+        self.guard = guard
+        self.stats: GuardStats = guard.stats
+        try:
+            body: bytes | None = request.content
+        except httpx.RequestNotRead:
+            body = None  # a one-shot stream: it cannot be inspected, or sent twice
+        self.body = body
+        # httpx upper-cases the method when it builds a request.
+        self.stream = body is not None and request.method == "POST" and wants_stream(body)
+        self.close_connection = self.stream and policy.stream_mode == "close"
         self.user_extensions = request.extensions
         self.user_stream = request.stream
-        self.user_timeouts: dict[str, float | None] = request.extensions.get("timeout", {})
-        self.attempt_timeouts: dict[str, float | None] = self.user_timeouts
         self.started = time.monotonic()
         self.attempts = 0
         self.reconnects = 0
         self.failed_probes = 0
         self.server_reads_connections = False  # a probe got an HTTP answer: later attempts need no probe
-        self.history: list[str] = []
+        self.history: tuple[str, ...] = ()
         self.verdict: Verdict | None = None
         self.deadline_applied = False
         self.first_byte: float | None = None
         self.closed_by_header = False
+
+    @property
+    def kind(self) -> RequestKind:
+        """Method, idempotency, inference endpoint, stream, replayable body: for retry decisions only."""
+        try:
+            return self._kind
+        except AttributeError:  # the first time: the slot is empty
+            self._kind = classify_request(self.request.method, self.request.url.path, self.body)
+            return self._kind
 
     @property
     def origin(self) -> Origin:
@@ -156,9 +179,34 @@ class RequestRun:
         return self.request.headers.get("host") or self.request.url.netloc.decode("ascii")
 
     @property
+    def user_timeouts(self) -> dict[str, float | None]:
+        """The caller's own timeouts (httpx's ``timeout`` extension)."""
+        timeouts: dict[str, float | None] = self.user_extensions.get("timeout", {})
+        return timeouts
+
+    @property
     def may_retry(self) -> bool:
         """The last attempt failed, or answered 503/429, in a way the rules allow to retry."""
         return self.verdict is not None and self.verdict.retry
+
+    @property
+    def probing(self) -> bool:
+        """New connections of this request's attempts are to be probed."""
+        return self.policy.probe and not self.server_reads_connections
+
+    # -- the connection hooks report here -------------------------------------------------------------------------
+
+    def connecting(self) -> None:
+        """The current attempt is opening a new connection."""
+        tracker = self.tracker
+        if tracker is None:
+            tracker = self.tracker = ProgressTracker(hooked=True)
+        tracker.connecting()
+
+    def connected(self) -> None:
+        """The new connection is up (and probed, when probing): nothing of the request is written to it yet."""
+        assert self.tracker is not None, "connected() without connecting()"
+        self.tracker.connected()
 
     # -- building an attempt -------------------------------------------------------------------------------------
 
@@ -169,12 +217,17 @@ class RequestRun:
         whole request would cost more than the rest of the guard); `end_attempt()` gives the caller's back."""
         self.attempts += 1
         self.verdict = None
+        # The attempt's progress. Followed by trace events: a tracker for them. Otherwise None until the connection
+        # hooks see a new connection (`connecting`): nothing is built for an attempt on a pooled connection.
+        self.tracker = None if trace is None else ProgressTracker()
         extensions = self.user_extensions
         deadline = self.policy.first_byte_timeout
-        caller_read = self.user_timeouts.get("read")
-        # The first-byte deadline rides on httpcore's read timeout, which it looks up when it starts reading the
-        # headers, and again when it starts reading the body: restored in headers_arrived(), it never cuts a body.
-        self.deadline_applied = deadline is not None and (caller_read is None or deadline < caller_read)
+        if deadline is not None:
+            # The first-byte deadline rides on httpcore's read timeout, which it looks up when it starts reading
+            # the headers, and again when it starts reading the body: restored in headers_arrived(), it never cuts
+            # a body. A shorter read timeout of the caller's own stays in charge.
+            caller_read = self.user_timeouts.get("read")
+            self.deadline_applied = caller_read is None or deadline < caller_read
         if trace is not None or self.deadline_applied or EXTENSION in extensions:
             # Only then a copy: most requests go out with the caller's own extensions, untouched.
             extensions = dict(extensions)
@@ -184,7 +237,8 @@ class RequestRun:
             if deadline is not None and self.deadline_applied:
                 timeouts = dict(self.user_timeouts)
                 timeouts["read"] = min(deadline, MAX_SOCKET_WAIT)
-                extensions["timeout"] = self.attempt_timeouts = timeouts
+                self.attempt_timeouts = timeouts
+                extensions["timeout"] = timeouts
         stream = self.user_stream if self.body is None else ReplayableBody(self.body)
         if self.close_connection:
             headers = self.request.headers.copy()
@@ -192,13 +246,16 @@ class RequestRun:
             return httpx.Request(
                 self.request.method, self.request.url, headers=headers, stream=stream, extensions=extensions
             )
-        self.request.extensions = extensions
-        self.request.stream = stream
-        return self.request
+        request = self.request
+        if extensions is not self.user_extensions:
+            request.extensions = extensions
+        request.stream = stream
+        return request
 
     def end_attempt(self) -> None:
-        self.request.extensions = self.user_extensions
-        self.request.stream = self.user_stream
+        request = self.request
+        request.extensions = self.user_extensions
+        request.stream = self.user_stream
 
     # -- probing new connections ---------------------------------------------------------------------------------
 
@@ -221,9 +278,11 @@ class RequestRun:
 
     # -- the outcome of an attempt ------------------------------------------------------------------------------
 
-    def attempt_failed(self, exc: BaseException, tracker: ProgressTracker) -> BaseException:
+    def attempt_failed(self, exc: BaseException) -> BaseException:
         """Judge a failed attempt; returns the exception to raise from it (a first-byte expiry becomes
         `FirstByteTimeout`). Sets ``self.verdict`` for the tenacity hooks."""
+        # No tracker: the connection hooks saw no new connection, so the attempt ran on a pooled one.
+        tracker = self.tracker if self.tracker is not None else ProgressTracker(hooked=True)
         kind = failure_kind(exc, tracker, deadline_applied=self.deadline_applied)
         if kind is None:
             return exc
@@ -241,9 +300,9 @@ class RequestRun:
         )
         where = "a reused" if tracker.reused_connection else "a new" if tracker.new_connection else "no"
         detail = error_text(exc)[:160] or "no detail"
-        self.history.append(
+        self.history += (
             f"attempt {self.attempts}: {type(exc).__name__} on {where} connection "
-            f"({tracker.effective_progress().name.lower()}): {self.verdict.reason} [{detail}]"
+            f"({tracker.effective_progress().name.lower()}): {self.verdict.reason} [{detail}]",
         )
         if self.verdict.retry and self.verdict.stall:
             self.reconnects += 1
@@ -256,16 +315,17 @@ class RequestRun:
             request=self.request,
         )
 
-    def headers_arrived(self, response: httpx.Response) -> None:
-        """Restore the caller's read timeout for the body, and judge a 503/429."""
+    def headers_arrived(self, response: httpx.Response) -> bool:
+        """Restore the caller's read timeout for the body, and judge a 503/429: True if the response is one to
+        retry (``self.verdict`` says why)."""
         if self.deadline_applied:
-            timeouts = self.attempt_timeouts
+            timeouts = self.attempt_timeouts  # set with the deadline in begin_attempt()
             if "read" in self.user_timeouts:
                 timeouts["read"] = self.user_timeouts["read"]
             else:
                 del timeouts["read"]
         if response.status_code not in RETRIED_STATUSES:
-            return  # the usual case, decided without a call
+            return False  # the usual case, decided without a call
         verdict = verdict_for_status(
             response.status_code,
             response.headers,
@@ -278,8 +338,10 @@ class RequestRun:
             if not length.isdigit() or int(length) > MAX_RETRIED_ERROR_BODY:
                 verdict = Verdict(False, f"{response.status_code} with a body that is not a short error")
         self.verdict = verdict
-        if verdict is not None:
-            self.history.append(f"attempt {self.attempts}: HTTP {response.status_code}: {verdict.reason}")
+        if verdict is None:
+            return False
+        self.history += (f"attempt {self.attempts}: HTTP {response.status_code}: {verdict.reason}",)
+        return verdict.retry
 
     # -- tenacity hooks -------------------------------------------------------------------------------------------
 
@@ -354,28 +416,19 @@ class RequestRun:
             message=f"{message} [llama_guard: {self.description}, {attempts} in {elapsed:.2f} s, {why}]",
             attempts=self.attempts,
             elapsed=elapsed,
-            history=tuple(self.history),
+            history=self.history,
         )
         if self.attempts > 1:
             logger.warning("giving up on %s after %s: %s", self.description, attempts, why)
         return error
 
-    def record(self) -> None:
-        """Count this request in the transport's stats, once, when it has ended (answered or not)."""
-        self.stats.record_request(
-            attempts=self.attempts, first_byte=self.first_byte, closed_by_header=self.closed_by_header
-        )
-
-    def result(self, *, connection_closed: bool) -> GuardResult:
+    def result(self, connection_closed: bool) -> GuardResult:
+        """The guard's account for the response, which has just been handed its headers."""
         self.first_byte = first_byte = time.monotonic() - self.started
         self.closed_by_header = self.close_connection
-        return GuardResult(
-            attempts=self.attempts,
-            reconnects=self.reconnects,
-            first_byte_seconds=first_byte,
-            stream=self.kind.stream,
-            connection_closed=connection_closed,
-            history=tuple(self.history),
+        # What GuardResult(...) does, without the Python frame of a named tuple's __new__ (as its _make does).
+        return _new_result(
+            GuardResult, (self.attempts, self.reconnects, first_byte, self.stream, connection_closed, self.history)
         )
 
 
