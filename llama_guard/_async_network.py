@@ -5,30 +5,88 @@ twins), and CI checks that they are current.
 
 The guard must probe each new connection before httpcore writes a request to it, and must know, when an attempt
 fails, whether it failed connecting (nothing sent) or on a connection (maybe sent). Both are per connection, not per
-request: the backend wrapper probes each connection it opens for a guarded attempt and reports the connect to the
-attempt's request (`CURRENT_ATTEMPT`, set by the transport). Requests on pooled connections pay nothing here, and the
-streams httpcore reads and writes are its own, unwrapped (an https connection only until its TLS handshake).
+request. Two hooks, put on one pool instance by `track_connections`:
+
+- the pool's ``create_connection`` marks each new connection, which httpcore connects lazily inside its first
+  request; for that one call, `CURRENT_ATTEMPT` names the guarded request, taken from the attempt body the
+  request carries (`AttemptBody`);
+- the pool's network backend, wrapped, sees the connect: it probes the new connection and reports the connect to
+  that request.
+
+A request on a pooled connection passes neither hook: it pays nothing here. The streams httpcore reads and writes
+are its own, unwrapped (an https connection only until its TLS handshake).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import httpcore
 
 from ._attempt import CURRENT_ATTEMPT
+from ._run import AttemptBody
 
 __all__ = ["AsyncGuardedBackend", "track_connections"]
 
 
 def track_connections(pool: Any) -> bool:
-    """Put the guard's hooks on ``pool``'s network backend (once); False if ``pool`` is not an httpcore pool."""
+    """Put the guard's hooks on ``pool`` (once): on its network backend and on the connections it creates. False
+    if ``pool`` is not an httpcore pool."""
     backend = getattr(pool, "_network_backend", None)
-    if backend is None:
+    create = getattr(pool, "create_connection", None)
+    if backend is None or create is None:
         return False
     if not isinstance(backend, AsyncGuardedBackend):
         pool._network_backend = AsyncGuardedBackend(backend)
+    if not isinstance(create, _AsyncCreateConnection):
+        pool.create_connection = _AsyncCreateConnection(create)  # on this pool instance only
     return True
+
+
+class _AsyncCreateConnection:
+    """The pool's ``create_connection``, giving each new connection a hook on its first request."""
+
+    __slots__ = ("_create",)
+
+    def __init__(self, create: Any) -> None:
+        self._create = create
+
+    def __call__(self, origin: Any) -> Any:
+        connection = self._create(origin)
+        # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
+        with contextlib.suppress(AttributeError):
+            connection.handle_async_request = _AsyncFirstRequest(connection)
+        return connection
+
+
+class _AsyncFirstRequest:
+    """A new connection's ``handle_async_request`` for its first request, inside which httpcore connects.
+
+    It tells the backend wrapper which guarded request that is (`CURRENT_ATTEMPT`): the one whose attempt body
+    (`AttemptBody`) the request carries, or none for a request the guard passed through. Then it is gone: later
+    requests on the connection call httpcore's own method, and pay nothing.
+    """
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    async def __call__(self, request: httpcore.Request) -> httpcore.Response:
+        connection = self._connection
+        # Not through connection.__dict__, which would turn the instance's inline attributes into a dict and slow
+        # down every later attribute access of httpcore's. Two threads may race here for a new HTTP/2 connection
+        # (only one of them connects): the second finds the hook gone already.
+        with contextlib.suppress(AttributeError):
+            del connection.handle_async_request
+        body = request.stream
+        token = CURRENT_ATTEMPT.set(body.guarded_run() if isinstance(body, AttemptBody) else None)
+        try:
+            response: httpcore.Response = await type(connection).handle_async_request(connection, request)
+        finally:
+            CURRENT_ATTEMPT.reset(token)
+        return response
 
 
 class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):

@@ -30,7 +30,7 @@ from ._probe import probe_deadline
 from ._result import EXTENSION, GuardResult
 from ._stats import GuardStats
 
-__all__ = ["RequestRun"]
+__all__ = ["AttemptBody", "FirstAttempt", "RequestRun", "asks_for_stream", "request_body"]
 
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
@@ -46,24 +46,114 @@ STATUS_BACKOFF = 0.5
 _new_result = tuple.__new__
 
 
-class ReplayableBody(httpx.SyncByteStream, httpx.AsyncByteStream):
-    """An in-memory request body, sent afresh by every attempt.
+def request_body(request: httpx.Request) -> bytes | None:
+    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
+    try:
+        return request.content
+    except httpx.RequestNotRead:
+        return None  # a one-shot stream: it cannot be inspected, or sent twice
+
+
+def asks_for_stream(request: httpx.Request, body: bytes | None) -> bool:
+    """Whether the request asks llama-server for ``"stream": true`` (httpx upper-cases methods)."""
+    return body is not None and request.method == "POST" and wants_stream(body)
+
+
+class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """The body one attempt sends, and the guarded request it belongs to.
+
+    ``content``: the request's bytes when they are held in memory, sent afresh by every attempt; else None, and the
+    caller's own one-shot ``stream`` is passed through (once: such a request is never sent twice).
+
+    ``run``: the request's `RequestRun`. httpcore hands this object to the connection that serves the attempt, so
+    a new connection learns from its first request which guarded request opened it (``_async_network.py``);
+    requests on pooled connections carry it at no cost.
 
     An iterator object rather than httpx's async generator: when a write fails half way (a dead pooled
     connection), httpcore abandons the body's iterator, and an abandoned async generator makes trio's finalizer
     warn (a ResourceWarning) long after the request was retried and answered.
     """
 
-    __slots__ = ("_content",)
+    __slots__ = ("_content", "_stream", "run")
 
-    def __init__(self, content: bytes) -> None:
+    def __init__(self, run: RequestRun | None, content: bytes | None, stream: Any) -> None:
+        self.run = run
         self._content = content
+        self._stream = stream
+
+    def guarded_run(self) -> RequestRun | None:
+        """The request this attempt belongs to (for the connection hooks); None once the attempt has ended."""
+        return self.run
 
     def __iter__(self) -> Iterator[bytes]:
-        return iter((self._content,))
+        if self._content is not None:
+            return iter((self._content,))
+        return iter(self._stream)
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        return _OneChunk(self._content)
+        if self._content is not None:
+            return _OneChunk(self._content)
+        return self._stream.__aiter__()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self._content is None:
+            self._stream.close()
+
+    async def aclose(self) -> None:
+        if self._content is None:
+            await self._stream.aclose()
+
+
+class FirstAttempt(AttemptBody):
+    """The body of a request's first attempt while the request has needed nothing but its body.
+
+    Most requests are answered by their first attempt on a pooled connection, and need no `RequestRun`: for them
+    the guard builds none (it would be most of the guard's work per request). This object keeps what a run is built
+    from, and builds it when something needs one (`guarded_run`): the connection hooks, for a new connection to
+    probe, or the transport, when the attempt fails or is answered 503/429. The run then carries on as if it had
+    been there from the start, with this as its first attempt in progress.
+
+    Only for a request the first attempt sends as it is: a replayable body, no per-request options, no first-byte
+    deadline, no ``Connection: close`` to add (see the transport).
+    """
+
+    __slots__ = ("_guard", "_origin", "_policy", "_request", "_started", "_wants_stream")
+
+    def __init__(
+        self,
+        guard: Any,
+        request: httpx.Request,
+        origin: Origin | None,
+        policy: GuardPolicy,
+        content: bytes,
+        wants_stream: bool,
+        started: float,
+    ) -> None:
+        self.run = None
+        self._content = content
+        self._stream = request.stream
+        self._guard = guard
+        self._request = request
+        self._origin = origin
+        self._policy = policy
+        self._wants_stream = wants_stream
+        self._started = started
+
+    def guarded_run(self) -> RequestRun:
+        run = self.run
+        if run is None:
+            run = self.run = RequestRun(
+                self._request,
+                self._origin,
+                self._policy,
+                self._guard,
+                body=self._content,
+                stream=self._wants_stream,
+                user_stream=self._stream,
+                started=self._started,
+            )
+            run.adopt_first_attempt(self)
+        return run
 
 
 class _OneChunk:
@@ -85,19 +175,19 @@ class _OneChunk:
 class RequestRun:
     """State of one guarded request across its attempts, including how far its current attempt got.
 
-    Built for every request, so the request's happy path (one attempt on a pooled connection) does as little as it
-    can: it looks at the body for ``"stream": true`` and nothing else. What only a failure needs (the request's
-    method, path and idempotency as a `RequestKind`, the caller's timeouts, the attempt's progress) is worked out
-    when a failure asks for it. Slotted.
+    Not built for a request that its first attempt answers without help (see `FirstAttempt`). When it is built,
+    what only a failure needs (the request's method, path and idempotency as a `RequestKind`, the caller's
+    timeouts, the attempt's progress) is worked out when a failure asks for it. Slotted.
 
     ``guard`` is the transport, whose ``stats`` count the request and whose probe the connection hooks call.
     """
 
-    # Set when first needed, not in __init__: _kind (the `kind` property), tracker and attempt_timeouts
-    # (begin_attempt).
+    # Set when first needed, not in __init__: _kind (the `kind` property); attempt_body, tracker and
+    # attempt_timeouts (begin_attempt).
     __slots__ = (
         "_kind",
         "_origin",
+        "attempt_body",
         "attempt_timeouts",
         "attempts",
         "body",
@@ -121,26 +211,35 @@ class RequestRun:
         "verdict",
     )
     _kind: RequestKind
+    attempt_body: AttemptBody
     tracker: ProgressTracker | None
     attempt_timeouts: dict[str, float | None]
 
-    def __init__(self, request: httpx.Request, origin: Origin | None, policy: GuardPolicy, guard: Any) -> None:
+    def __init__(
+        self,
+        request: httpx.Request,
+        origin: Origin | None,
+        policy: GuardPolicy,
+        guard: Any,
+        *,
+        body: bytes | None,
+        stream: bool,
+        user_stream: Any,
+        started: float,
+    ) -> None:
+        """``body``: `request_body(request)`; ``stream``: whether it asks for ``"stream": true``; ``user_stream``:
+        the caller's ``request.stream``; ``started``: when the guard received the request (``time.monotonic()``)."""
         self.request = request
         self._origin = origin
         self.policy = policy
         self.guard = guard
         self.stats: GuardStats = guard.stats
-        try:
-            body: bytes | None = request.content
-        except httpx.RequestNotRead:
-            body = None  # a one-shot stream: it cannot be inspected, or sent twice
         self.body = body
-        # httpx upper-cases the method when it builds a request.
-        self.stream = body is not None and request.method == "POST" and wants_stream(body)
-        self.close_connection = self.stream and policy.stream_mode == "close"
+        self.stream = stream
+        self.close_connection = stream and policy.stream_mode == "close"
         self.user_extensions = request.extensions
-        self.user_stream = request.stream
-        self.started = time.monotonic()
+        self.user_stream = user_stream
+        self.started = started
         self.attempts = 0
         self.reconnects = 0
         self.failed_probes = 0
@@ -238,7 +337,7 @@ class RequestRun:
                 timeouts["read"] = min(deadline, MAX_SOCKET_WAIT)
                 self.attempt_timeouts = timeouts
                 extensions["timeout"] = timeouts
-        stream = self.user_stream if self.body is None else ReplayableBody(self.body)
+        self.attempt_body = stream = AttemptBody(self, self.body, self.user_stream)
         if self.close_connection:
             headers = self.request.headers.copy()
             headers["Connection"] = "close"
@@ -251,7 +350,15 @@ class RequestRun:
         request.stream = stream
         return request
 
+    def adopt_first_attempt(self, body: AttemptBody) -> None:
+        """This run is built during its first attempt, which went out as it was (a `FirstAttempt`)."""
+        self.attempts = 1
+        self.tracker = None
+        self.attempt_body = body
+
     def end_attempt(self) -> None:
+        # httpcore keeps the body as long as the response: it must not keep this request's state alive too.
+        self.attempt_body.run = None
         request = self.request
         request.extensions = self.user_extensions
         request.stream = self.user_stream

@@ -97,6 +97,9 @@ NETWORK_DOCSTRING: Rules = (
 NETWORK_UNASYNC: Rules = (
     (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
     (r"\b_AsyncProbeAfterTls\b", "_SyncProbeAfterTls"),
+    (r"\b_AsyncCreateConnection\b", "_SyncCreateConnection"),
+    (r"\b_AsyncFirstRequest\b", "_SyncFirstRequest"),
+    (r"\bhandle_async_request\b", "handle_request"),
     (r"\bhttpcore\.AsyncNetworkBackend\b", "httpcore.NetworkBackend"),
     (r"\bhttpcore\.AsyncNetworkStream\b", "httpcore.NetworkStream"),
     (r"\basync def\b", "def"),

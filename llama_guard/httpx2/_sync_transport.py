@@ -8,14 +8,13 @@ that the generated file is current. Keep the I/O here and every decision in the 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import httpcore2 as httpcore
 import httpx2 as httpx
 import tenacity
 
 from ._sync_network import SyncGuardedBackend, track_connections
-from .._attempt import CURRENT_ATTEMPT
 from .._decisions import is_streaming_response
 from ._exceptions import ProbeError, ProbeTimeout
 from .._log import logger
@@ -24,8 +23,8 @@ from .._ownership import mark_wrapped_by_a_guard
 from .._policy import GuardPolicy
 from .._pool_fix import KEEPALIVE_EXPIRY, cap_keepalive_expiry, fix_pool_race
 from .._probe import ProbeExchange, ProbeProtocolError
-from .._result import EXTENSION
-from ._run import MAX_RETRIED_ERROR_BODY, RequestRun
+from .._result import EXTENSION, GuardResult
+from ._run import MAX_RETRIED_ERROR_BODY, FirstAttempt, RequestRun, asks_for_stream, request_body
 from .._sockets import shutdown_connection
 from .._stats import GuardStats
 
@@ -63,12 +62,18 @@ class GuardTransport(httpx.BaseTransport):
         mark_wrapped_by_a_guard(self._transport)
         # Attempts are followed, and new connections probed, by hooks on the pool's network backend. A transport
         # whose pool is out of reach (a wrapper around one) is followed through httpcore's trace extension instead.
-        self._pool = getattr(self._transport, "_pool", None)
+        self._pool: Any = getattr(self._transport, "_pool", None)  # None: not reachable (see below)
         if not track_connections(self._pool):
             self._pool = None
         self._policy = policy if policy is not None else GuardPolicy()
         self._origins = OriginRegistry(self._policy.origins)
-        self._every_origin = self._origins.every_origin  # read for every request
+        # Read for every request: plain attributes.
+        self._every_origin = self._origins.every_origin
+        # The first attempt can go out as it is (FirstAttempt) when the hooks on the pool follow it and the
+        # policy adds nothing to the request; a llama stream gets `Connection: close` in "close" mode.
+        self._plain_first_attempts = self._pool is not None and self._policy.first_byte_timeout is None
+        self._close_streams = self._policy.stream_mode == "close"
+        self._drops_streams = self._policy.stream_mode != "off"
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
         self.stats = GuardStats()
@@ -100,11 +105,61 @@ class GuardTransport(httpx.BaseTransport):
                 return self._pass_through(request, origin)
         overrides = request.extensions.get(EXTENSION)
         policy = self._policy if overrides is None else self._policy.merged(overrides)
-        run = RequestRun(request, origin, policy, self)
+        body = request_body(request)
+        stream = asks_for_stream(request, body)
+        started = time.monotonic()
+        if overrides is not None or body is None or not self._plain_first_attempts or (stream and self._close_streams):
+            # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
+            run = RequestRun(
+                request, origin, policy, self, body=body, stream=stream, user_stream=request.stream, started=started
+            )
+            return self._guarded(run)
+
+        # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
+        # (FirstAttempt). Most requests are answered here, on a pooled connection.
+        pool = self._pool
+        if not isinstance(pool._network_backend, SyncGuardedBackend):
+            track_connections(pool)  # someone replaced the pool's backend after we wrapped it
+        first = FirstAttempt(self, request, origin, policy, body, stream, started)
+        user_stream = request.stream
+        request.stream = first
         try:
-            # The first attempt runs bare: most requests succeed at once and should not pay for retry machinery.
+            response = self._transport.handle_request(request)
+        except Exception as exc:
+            request.stream = user_stream
+            return self._guarded(first.guarded_run(), exc)
+        except BaseException:  # cancelled: counted, and nothing left attached to the request
+            request.stream = user_stream
+            if first.run is not None:
+                first.run.end_attempt()
+            self.stats.record_request(1, None, False)
+            raise
+        request.stream = user_stream
+        status = response.status_code
+        if status == 503 or status == 429:
+            run = first.guarded_run()
+            run.end_attempt()
+            return self._guarded(run, response)
+        if first.run is not None:  # the connection hooks probed a new connection for this attempt
+            first.run.end_attempt()
+        closing = self._drops_streams and is_streaming_response(response.headers) and self._drop_after_stream(response)
+        first_byte = time.monotonic() - started
+        response.extensions[EXTENSION] = GuardResult._make((1, 0, first_byte, stream, closing, ()))
+        self.stats.record_request(1, first_byte, False)
+        return response
+
+    def _guarded(self, run: RequestRun, first: httpx.Response | Exception | None = None) -> httpx.Response:
+        """A request with a `RequestRun`: its attempts, retries, result and counters. ``first``: the outcome of its
+        first attempt when that was sent already (as a `FirstAttempt`), else None."""
+        try:
+            # Attempts after the first run under tenacity; most requests never need them.
             try:
-                response = self._attempt(run)
+                if first is None:
+                    response = self._attempt(run)
+                elif isinstance(first, Exception):
+                    self._attempt_failed(run, first)
+                else:
+                    response = self._attempt_answered(run, first)
             except Exception as exc:
                 if not run.may_retry:
                     if isinstance(exc, httpx.TransportError):
@@ -112,10 +167,10 @@ class GuardTransport(httpx.BaseTransport):
                     raise
                 response = self._retry(run, exc)
             else:
-                if run.verdict is not None and run.verdict.retry:
+                if run.may_retry:
                     response = self._retry(run, response)
             closing = run.close_connection
-            if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
+            if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
                 closing = self._drop_after_stream(response)
             response.extensions[EXTENSION] = run.result(closing)
             return response
@@ -150,27 +205,34 @@ class GuardTransport(httpx.BaseTransport):
     def _attempt(self, run: RequestRun) -> httpx.Response:
         pool = self._pool
         if pool is not None:
-            # The usual way: the hooks on the pool's backend report to this request (nothing is built for an
-            # attempt that finds a pooled connection); no trace extension.
-            current = run
+            # The usual way: the hooks on the pool (_sync_network.py) see a new connection and report it to this
+            # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all.
             trace = None
             if not isinstance(pool._network_backend, SyncGuardedBackend):
                 track_connections(pool)  # someone replaced the pool's backend after we wrapped it
         else:
-            current = None
             trace = _SyncTracer(run, self._probe)
         request = run.begin_attempt(trace)
-        token = CURRENT_ATTEMPT.set(current)
         try:
             response = self._transport.handle_request(request)
         except Exception as exc:
-            error = run.attempt_failed(exc)
-            if error is exc:
-                raise
-            raise error from exc
-        finally:
-            CURRENT_ATTEMPT.reset(token)
+            self._attempt_failed(run, exc)
+        except BaseException:
             run.end_attempt()
+            raise
+        run.end_attempt()
+        return self._attempt_answered(run, response)
+
+    def _attempt_failed(self, run: RequestRun, exc: Exception) -> NoReturn:
+        """Judge the attempt's failure (the verdict goes to ``run``), end the attempt, and raise: the exception
+        itself, or the guard's name for it (a first-byte expiry becomes `FirstByteTimeout`)."""
+        error = run.attempt_failed(exc)
+        run.end_attempt()
+        if error is exc:
+            raise exc
+        raise error from exc
+
+    def _attempt_answered(self, run: RequestRun, response: httpx.Response) -> httpx.Response:
         if run.headers_arrived(response):
             # A short error body; read it so the connection goes back to the pool, and so the caller still gets
             # it whole if this turns out to be the last attempt.
