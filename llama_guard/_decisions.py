@@ -88,10 +88,14 @@ def is_inference_path(path: str) -> bool:
 
 def is_streaming_response(headers: Mapping[str, str]) -> bool:
     """A response llama-server writes through a chunked content provider: it closes the connection after it."""
-    items = getattr(headers, "_list", None)
-    if items is not None:
+    try:
         # httpx's and httpx2's Headers keep (raw name, lower-case name, value) triples: one pass over them costs
-        # less than two lookups, each of which walks the list too (this runs for every response).
+        # less than two lookups, each of which walks the list too (this runs for every response). An attribute
+        # access, not getattr() with a default, which looks the name up in the class hierarchy first.
+        items = headers._list  # type: ignore[attr-defined]
+    except AttributeError:
+        items = None
+    if items is not None:
         for _, name, value in items:
             if name == b"content-type":  # first: every response has one
                 if value[:17].lower() == b"text/event-stream":

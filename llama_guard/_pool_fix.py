@@ -25,19 +25,31 @@ KEEPALIVE_EXPIRY = 4.0
 
 
 def _assign_requests_to_connections(self: Any) -> list[Any]:
-    """httpcore 1.0.9's method, except that connections held by a request are neither closed nor reassigned."""
+    """httpcore 1.0.9's method, except that connections held by a request are neither closed nor reassigned.
+
+    Called twice for every request (when it enters the pool and when its response closes), so written as plain
+    loops: no comprehension or generator frames. It decides exactly what the set-and-list version before it did.
+    """
     closing: list[Any] = []
-    reserved = {request.connection for request in self._requests if request.connection is not None}
+    requests = self._requests
+    reserved: set[Any] = set()
+    for request in requests:
+        if request.connection is not None:
+            reserved.add(request.connection)
     kept: list[Any] = []
+    idle = 0
     for connection in self._connections:
         if connection.is_closed():
             continue
-        if connection not in reserved and connection.has_expired():
-            closing.append(connection)
-            continue
+        if connection not in reserved:
+            if connection.has_expired():
+                closing.append(connection)
+                continue
+            if connection.is_idle():
+                idle += 1
         kept.append(connection)
     # Surplus idle connections beyond max_keepalive_connections (httpcore 1.0.9 counted every connection here).
-    surplus = sum(c.is_idle() and c not in reserved for c in kept) - self._max_keepalive_connections
+    surplus = idle - self._max_keepalive_connections
     if surplus > 0:
         retained = []
         for connection in kept:
@@ -49,24 +61,30 @@ def _assign_requests_to_connections(self: Any) -> list[Any]:
         kept = retained
     self._connections = kept
 
-    for pool_request in [request for request in self._requests if request.is_queued()]:
+    # The queued requests, each to the first connection that can take it (assigning one changes no other's state).
+    for pool_request in requests:
+        if not pool_request.is_queued():
+            continue
         origin = pool_request.request.url.origin
-        available = [
-            c for c in self._connections if c not in reserved and c.can_handle_request(origin) and c.is_available()
-        ]
-        if available:
-            connection = available[0]
-        elif len(self._connections) < self._max_connections:
-            connection = self.create_connection(origin)
-            self._connections.append(connection)
-        else:
-            idle = [c for c in self._connections if c not in reserved and c.is_idle()]
-            if not idle:
-                continue
-            self._connections.remove(idle[0])
-            closing.append(idle[0])
-            connection = self.create_connection(origin)
-            self._connections.append(connection)
+        connection = None
+        for candidate in kept:
+            if candidate not in reserved and candidate.can_handle_request(origin) and candidate.is_available():
+                connection = candidate
+                break
+        if connection is None:
+            if len(kept) < self._max_connections:
+                connection = self.create_connection(origin)
+                kept.append(connection)
+            else:
+                for candidate in kept:
+                    if candidate not in reserved and candidate.is_idle():
+                        break
+                else:
+                    continue  # every connection is busy: the request waits
+                kept.remove(candidate)
+                closing.append(candidate)
+                connection = self.create_connection(origin)
+                kept.append(connection)
         pool_request.assign_to_connection(connection)
         reserved.add(connection)
     return closing

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["EXTENSION", "GuardResult"]
+__all__ = ["EXTENSION", "GuardResult", "new_result"]
 
 # The key of the guard's per-request options (request.extensions) and results (response.extensions).
 EXTENSION = "llama_guard"
@@ -35,3 +37,10 @@ class GuardResult(NamedTuple):
     stream: bool
     connection_closed: bool
     history: tuple[str, ...] = ()
+
+
+# A GuardResult from its six fields in order: what GuardResult._make does, without the Python frame of its checks
+# (the guard builds one for every request; the partial is called in C).
+new_result: Callable[[tuple[int, int, float, bool, bool, tuple[str, ...]]], GuardResult] = functools.partial(
+    tuple.__new__, GuardResult
+)

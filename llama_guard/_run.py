@@ -27,10 +27,10 @@ from ._log import describe_request, logger, without_quoted_values
 from ._origins import Origin
 from ._policy import GuardPolicy
 from ._probe import probe_deadline
-from ._result import EXTENSION, GuardResult
+from ._result import EXTENSION, GuardResult, new_result
 from ._stats import GuardStats
 
-__all__ = ["AttemptBody", "FirstAttempt", "RequestRun", "asks_for_stream", "request_body"]
+__all__ = ["AttemptBody", "FirstAttempt", "RequestRun", "request_body"]
 
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
@@ -43,20 +43,15 @@ RETRIED_STATUSES = frozenset({429, 503})
 # The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
 STATUS_BACKOFF = 0.5
 
-_new_result = tuple.__new__
 
-
-def request_body(request: httpx.Request) -> bytes | None:
-    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
+def request_body(request: httpx.Request) -> tuple[bytes | None, bool]:
+    """The request body when it is held in memory (and so can be inspected and sent again), else None; and
+    whether the request asks llama-server for ``"stream": true``."""
     try:
-        return request.content
+        body = request.content
     except httpx.RequestNotRead:
-        return None  # a one-shot stream: it cannot be inspected, or sent twice
-
-
-def asks_for_stream(request: httpx.Request, body: bytes | None) -> bool:
-    """Whether the request asks llama-server for ``"stream": true`` (httpx upper-cases methods)."""
-    return body is not None and request.method == "POST" and wants_stream(body)
+        return None, False  # a one-shot stream: it cannot be inspected, or sent twice
+    return body, request.method == "POST" and wants_stream(body)  # httpx upper-cases methods
 
 
 class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -532,10 +527,7 @@ class RequestRun:
         """The guard's account for the response, which has just been handed its headers."""
         self.first_byte = first_byte = time.monotonic() - self.started
         self.closed_by_header = self.close_connection
-        # What GuardResult(...) does, without the Python frame of a named tuple's __new__ (as its _make does).
-        return _new_result(
-            GuardResult, (self.attempts, self.reconnects, first_byte, self.stream, connection_closed, self.history)
-        )
+        return new_result((self.attempts, self.reconnects, first_byte, self.stream, connection_closed, self.history))
 
 
 def error_text(exc: BaseException) -> str:

@@ -40,36 +40,42 @@ class LatencySummary:
 class LatencyHistogram:
     """Fixed-memory latency distribution. Not locked itself: `GuardStats` holds the lock."""
 
-    __slots__ = ("_buckets", "_count", "_max", "_total")
+    __slots__ = ("_buckets", "_max", "_total")
 
     def __init__(self) -> None:
         self._buckets = [0] * _BUCKETS
-        self._count = 0
         self._max = 0.0
         self._total = 0.0
 
+    @property
+    def _count(self) -> int:
+        # Not kept as a counter: recording runs for every request, reading rarely.
+        return sum(self._buckets)
+
     def record(self, seconds: float) -> None:
-        # Once per request: comparisons rather than max()/min() calls.
-        if seconds <= _MIN_SECONDS:
-            seconds = max(seconds, 0.0)
-            index = 0
-        else:
+        # Once per request, so lean: comparisons rather than max()/min() calls, no sample count.
+        if seconds > _MIN_SECONDS:
             index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
             if index >= _BUCKETS:
                 index = _BUCKETS - 1
+            if seconds > self._max:
+                self._max = seconds
+        else:  # 10 µs or less (or a clock oddity below zero, counted as zero)
+            seconds = max(seconds, 0.0)
+            index = 0
+            if seconds > self._max:
+                self._max = seconds
         self._buckets[index] += 1
-        self._count += 1
         self._total += seconds
-        if seconds > self._max:
-            self._max = seconds
 
     def percentile(self, percent: float) -> float:
         """The smallest bucket bound below which ``percent`` % of the samples fall (0.0 with no samples)."""
         if not 0 <= percent <= 100:
             raise ValueError(f"percent must be from 0 to 100; got {percent!r}")
-        if self._count == 0:
+        count = self._count
+        if count == 0:
             return 0.0
-        rank = math.ceil(self._count * percent / 100) or 1
+        rank = math.ceil(count * percent / 100) or 1
         seen = 0
         for index, count in enumerate(self._buckets):
             seen += count
@@ -79,14 +85,15 @@ class LatencyHistogram:
         return self._max
 
     def summary(self) -> LatencySummary:
+        count = self._count
         return LatencySummary(
-            count=self._count,
+            count=count,
             max=self._max,
             p50=self.percentile(50),
             p90=self.percentile(90),
             p99=self.percentile(99),
             p999=self.percentile(99.9),
-            mean=self._total / self._count if self._count else 0.0,
+            mean=self._total / count if count else 0.0,
         )
 
 
@@ -174,7 +181,8 @@ class GuardStats:
         try:
             self.requests += 1
             self.attempts += attempts
-            self.stream_connections_closed += closed_by_header
+            if closed_by_header:
+                self.stream_connections_closed += 1
             if first_byte is not None:
                 self.first_byte.record(first_byte)
         finally:

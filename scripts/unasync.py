@@ -38,7 +38,6 @@ UNASYNC: Rules = (
     (r"\b_AsyncDropAfterStream\b", "_SyncDropAfterStream"),
     (r"\b_AsyncTracer\b", "_SyncTracer"),
     (r"\b_async_network\b", "_sync_network"),
-    (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),
     (r"\bhttpx\.AsyncHTTPTransport\b", "httpx.HTTPTransport"),
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),

@@ -40,19 +40,25 @@ def track_connections(pool: Any) -> bool:
     if not isinstance(backend, AsyncGuardedBackend):
         pool._network_backend = AsyncGuardedBackend(backend)
     if not isinstance(create, _AsyncCreateConnection):
-        pool.create_connection = _AsyncCreateConnection(create)  # on this pool instance only
+        pool.create_connection = _AsyncCreateConnection(pool, create)  # on this pool instance only
     return True
 
 
 class _AsyncCreateConnection:
     """The pool's ``create_connection``, giving each new connection a hook on its first request."""
 
-    __slots__ = ("_create",)
+    __slots__ = ("_create", "_pool")
 
-    def __init__(self, create: Any) -> None:
+    def __init__(self, pool: Any, create: Any) -> None:
+        self._pool = pool
         self._create = create
 
     def __call__(self, origin: Any) -> Any:
+        pool = self._pool
+        if not isinstance(pool._network_backend, AsyncGuardedBackend):
+            # Someone replaced the pool's backend after the guard wrapped it: wrap the new one, before the
+            # connection is given it. Checked here, once per connection, rather than for every request.
+            pool._network_backend = AsyncGuardedBackend(pool._network_backend)
         connection = self._create(origin)
         # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
         with contextlib.suppress(AttributeError):

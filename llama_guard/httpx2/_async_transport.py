@@ -15,7 +15,7 @@ import httpcore2 as httpcore
 import httpx2 as httpx
 import tenacity
 
-from ._async_network import AsyncGuardedBackend, track_connections
+from ._async_network import track_connections
 from .._decisions import is_streaming_response
 from ._exceptions import ProbeError, ProbeTimeout
 from .._log import logger
@@ -24,8 +24,8 @@ from .._ownership import mark_wrapped_by_a_guard
 from .._policy import GuardPolicy
 from .._pool_fix import KEEPALIVE_EXPIRY, cap_keepalive_expiry, fix_pool_race
 from .._probe import ProbeExchange, ProbeProtocolError
-from .._result import EXTENSION, GuardResult
-from ._run import MAX_RETRIED_ERROR_BODY, FirstAttempt, RequestRun, asks_for_stream, request_body
+from .._result import EXTENSION, new_result
+from ._run import MAX_RETRIED_ERROR_BODY, FirstAttempt, RequestRun, request_body
 from .._sockets import shutdown_connection
 from .._stats import GuardStats
 
@@ -106,8 +106,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 return await self._pass_through(request, origin)
         overrides = request.extensions.get(EXTENSION)
         policy = self._policy if overrides is None else self._policy.merged(overrides)
-        body = request_body(request)
-        stream = asks_for_stream(request, body)
+        body, stream = request_body(request)
         started = time.monotonic()
         if overrides is not None or body is None or not self._plain_first_attempts or (stream and self._close_streams):
             # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
@@ -118,9 +117,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
 
         # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
         # (FirstAttempt). Most requests are answered here, on a pooled connection.
-        pool = self._pool
-        if not isinstance(pool._network_backend, AsyncGuardedBackend):
-            track_connections(pool)  # someone replaced the pool's backend after we wrapped it
         first = FirstAttempt(self, request, origin, policy, body, stream, started)
         user_stream = request.stream
         request.stream = first
@@ -145,7 +141,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             first.run.end_attempt()
         closing = self._drops_streams and is_streaming_response(response.headers) and self._drop_after_stream(response)
         first_byte = time.monotonic() - started
-        response.extensions[EXTENSION] = GuardResult._make((1, 0, first_byte, stream, closing, ()))
+        response.extensions[EXTENSION] = new_result((1, 0, first_byte, stream, closing, ()))
         self.stats.record_request(1, first_byte, False)
         return response
 
@@ -204,15 +200,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         return response
 
     async def _attempt(self, run: RequestRun) -> httpx.Response:
-        pool = self._pool
-        if pool is not None:
-            # The usual way: the hooks on the pool (_async_network.py) see a new connection and report it to this
-            # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all.
-            trace = None
-            if not isinstance(pool._network_backend, AsyncGuardedBackend):
-                track_connections(pool)  # someone replaced the pool's backend after we wrapped it
-        else:
-            trace = _AsyncTracer(run, self._probe)
+        # The usual way: the hooks on the pool (_async_network.py) see a new connection and report it to this
+        # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all. A
+        # transport whose pool is out of reach is followed through httpcore's trace extension instead.
+        trace = None if self._pool is not None else _AsyncTracer(run, self._probe)
         request = run.begin_attempt(trace)
         try:
             response = await self._transport.handle_async_request(request)
