@@ -1,18 +1,20 @@
 """Helpers shared by the benchmarks: interleaved rounds, robust summaries, plain-text tables.
 
 The benchmarks run on shared machines, so every comparison is made from variants measured in alternation (ABC,
-BCA, CAB, ...), summarised by the median of rounds, with the spread of the rounds printed next to it.
+BCA, CAB, ...), summarised by the median of rounds (with a confidence interval, or the spread of the rounds,
+printed next to it).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 from collections.abc import Sequence
 from typing import TypeVar
 
-__all__ = ["fmt_seconds", "machine", "median", "rotated", "spread", "table"]
+__all__ = ["fmt_seconds", "machine", "median", "median_ci", "rotated", "spread", "table"]
 
 T = TypeVar("T")
 
@@ -28,6 +30,19 @@ def rotated(items: Sequence[T], round_index: int) -> list[T]:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def median_ci(values: Sequence[float]) -> tuple[float, float]:
+    """A 95% confidence interval for the median of ``values``, from their order statistics (no assumption about
+    their distribution): the sorted values at ranks n/2 -+ 0.98 sqrt(n), the normal approximation of the binomial."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n < 3:
+        return (ordered[0], ordered[-1]) if ordered else (float("nan"), float("nan"))
+    half = 0.98 * math.sqrt(n)
+    low = max(0, math.floor(n / 2 - half))
+    high = min(n - 1, math.ceil(n / 2 + half))
+    return ordered[low], ordered[high]
 
 
 def spread(values: Sequence[float]) -> float:

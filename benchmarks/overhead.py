@@ -3,23 +3,32 @@
 A local keep-alive HTTP server in its own process (``_keepalive_server.py``, identifies as ``Server: llama.cpp``)
 answers every request at once with a small JSON body, so the client's own cost is what is measured. Each client
 kind (sync ``httpx.Client``, asyncio ``httpx.AsyncClient``) sends non-streamed ``POST /v1/chat/completions`` with a
-small JSON body over one keep-alive connection, one request after the other. The three transports are measured
-in interleaved rounds (ABC, BCA, CAB, ...) after a warm-up, and each figure is the median of the rounds; the ratios
-are medians of the per-round ratios, so a slow moment of the machine hits both sides of a ratio alike.
+small JSON body over one keep-alive connection, one request after the other.
+
+Timings: the variants run in many short interleaved blocks (``--block`` requests each, ``--blocks`` of them, the
+order rotating ABCD, BCDA, ...) after a warm-up. Each ratio is the median of the per-block ratios (both sides from
+the same turn of the rotation, so a slow moment of the machine hits both alike), with a 95% confidence interval
+for that median. A second bare client ("bare, control") is measured like the others: its ratio to bare shows what
+the noise alone does to a ratio in the same run. On these shared machines a block's ratio varies by 10 to 20%; the
+many blocks are what make the median precise to about 1%.
 
 The guard is the default policy (probe on, stream close on, no first-byte deadline). httpx-retries is configured
 to retry POST too (3 retries, 0.05 s backoff), as the guard retries llama-server's inference endpoints; with its
 default configuration it would not retry POST at all and would cost nothing to compare.
 
 Two clocks: wall-clock time per request, and the client thread's CPU time per request (the server runs in another
-process, so this is the client's own work; on a shared machine it is far less disturbed by other processes than
-wall-clock time, though not immune: stolen and contended CPU inflates it).
+process, so this is the client's own work; less disturbed by other processes than wall-clock time, though not
+immune: stolen and contended CPU inflates it).
+
+Repeatable counts (``_counts.py``; ``--instructions`` for them alone; otherwise they end every run when valgrind is
+found, unless ``--no-instructions``): instructions and simulated cache misses per request, sync and asyncio, the
+whole stack in memory under cachegrind. They repeat to about 0.1% whatever the machine is doing.
 
 When guard/bare is above the target (1.03) the guard's hot path is profiled (or always, with ``--profile``), sync:
 
 * the guard's own Python on its normal path: `GuardTransport` around an in-process canned transport that answers
-  at once, against that canned transport bare. The canned transport carries a stand-in pool (a ``_pool`` with a
-  ``_network_backend``), so the guard hooks that backend and sets no ``trace`` extension, as it does around an
+  at once, against that canned transport bare. The canned transport carries a stand-in pool (``_network_backend``
+  and ``create_connection``), so the guard hooks it and sets no ``trace`` extension, as it does around an
   `httpx.HTTPTransport` (the hooks act on new connections only: a request on a pooled connection passes none);
 * what the guard makes httpcore do on that path: the time inside the pool's ``_assign_requests_to_connections``
   with the guard's pool-race fix vs without (``llama_guard/_pool_fix.py``), timed during real requests;
@@ -33,21 +42,11 @@ When guard/bare is above the target (1.03) the guard's hot path is profiled (or 
   fallback's trace callback alone (`_SyncTracer`, x10 events); and httpcore's own cost of a set ``trace``
   extension (the five `Trace` blocks of a request, no-op callback vs none).
 
-Instruction counts (``--instructions`` for them alone; otherwise they end every run when valgrind is found, unless
-``--no-instructions``): the whole sync stack in memory (`CannedBackend`), one child Python per variant and request
-count under ``valgrind --tool=callgrind`` (two at a time), making 200 and, separately, 1200 requests; instructions
-per request = (Ir(1200) - Ir(200)) / 1000, which takes out start-up, imports and warm-up. They count the client's
-user-space instructions, whatever else the machine is doing, so they are the one figure of this benchmark that
-repeats on a shared machine: to a few instructions per request with the same software and environment (the
-children get a fixed one; a different environment moved the counts by 0.1%, through the memory layout). They leave
-out the kernel's time in system calls (none in memory; a real request makes several) and what an instruction costs:
-cache misses, branch mispredictions, and the slower clock of a loaded machine. They measure work done, not time.
-
 Usage::
 
-    python benchmarks/overhead.py                       # 250 requests x 30 rounds per variant and client kind
-    python benchmarks/overhead.py --requests 1000 --rounds 40 --profile
-    python benchmarks/overhead.py --instructions        # the instruction counts alone (about 5 minutes)
+    python benchmarks/overhead.py                       # 1,200 blocks of 20 requests per variant and client kind
+    python benchmarks/overhead.py --blocks 3000 --profile
+    python benchmarks/overhead.py --instructions        # the repeatable counts alone (about 4 minutes)
 """
 
 from __future__ import annotations
@@ -61,21 +60,19 @@ import dataclasses
 import gc
 import io
 import logging
-import os
 import pstats
-import re
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpcore
 import httpx
-from _common import machine, median, rotated, spread, table
+from _common import machine, median, median_ci, rotated, spread, table
+from _counts import count_table, per_request_counts
 from httpx_retries import Retry, RetryTransport
 
 import llama_guard
@@ -89,11 +86,10 @@ BODY: dict[str, Any] = {
     "temperature": 0.0,
 }
 TARGET = 1.03
-# Instruction counts: these variants, each in memory; two request counts, the difference is per request.
-INSTRUCTION_VARIANTS = ("bare", "guard", "bare+poolfix", "httpx-retries")
-INSTRUCTION_REQUESTS = (200, 1200)
-INSTRUCTION_JOBS = 2  # children under callgrind at a time (about 30 s each)
-VARIANTS = ("bare", "guard", "httpx-retries")
+# "bare, control" is a second bare client: its ratio to bare is what noise alone does to a ratio.
+VARIANTS = ("bare", "bare, control", "guard", "httpx-retries")
+# The profile's own rounds (of the parts measured apart; the whole stack in memory takes 4x as many of 100).
+PROFILE_ROUNDS, PROFILE_REQUESTS = 30, 250
 # The guard's own default limits, for every variant alike (keep-alive expiry below llama-server's 5 s).
 LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=4.0)
 SERVER_SCRIPT = Path(__file__).resolve().parent / "_keepalive_server.py"
@@ -149,7 +145,7 @@ def retry_config() -> Retry:
 def sync_client(variant: str, url: str) -> httpx.Client:
     inner = httpx.HTTPTransport(limits=LIMITS)
     transport: httpx.BaseTransport
-    if variant == "bare":
+    if variant in ("bare", "bare, control"):
         transport = inner
     elif variant == "guard":
         transport = llama_guard.GuardTransport(inner)
@@ -166,7 +162,7 @@ def sync_client(variant: str, url: str) -> httpx.Client:
 def async_client(variant: str, url: str) -> httpx.AsyncClient:
     inner = httpx.AsyncHTTPTransport(limits=LIMITS)
     transport: httpx.AsyncBaseTransport
-    if variant == "bare":
+    if variant in ("bare", "bare, control"):
         transport = inner
     elif variant == "guard":
         transport = llama_guard.AsyncGuardTransport(inner)
@@ -235,8 +231,8 @@ def measure_sync(
     warmup: int,
     make: Callable[[str, str], httpx.Client] | None = None,
 ) -> Measured:
-    """Interleaved rounds of sync variants; a variant named "<variant> gc-off" runs with the automatic gc off.
-    ``make(variant, url)`` builds the clients (default `sync_client`)."""
+    """Interleaved rounds (blocks) of ``requests`` requests of sync variants; a variant named "<variant> gc-off"
+    runs with the automatic gc off. ``make(variant, url)`` builds the clients (default `sync_client`)."""
     make = make or sync_client
     clients = {v: make(v.removesuffix(" gc-off"), url) for v in variants}
     try:
@@ -253,6 +249,7 @@ def measure_sync(
 
 
 async def measure_async(url: str, rounds: int, requests: int, warmup: int) -> Measured:
+    """Interleaved rounds (blocks) of ``requests`` requests of the asyncio variants."""
     clients = {v: async_client(v, url) for v in VARIANTS}
     try:
         for client in clients.values():
@@ -276,13 +273,16 @@ def us(seconds: float) -> str:
     return f"{seconds * 1e6:.1f}"
 
 
+def ratio_cell(values: list[float]) -> str:
+    """The median of per-block ratios and its 95% confidence interval."""
+    low, high = median_ci(values)
+    return f"{median(values):.3f} ({low:.3f}-{high:.3f})"
+
+
 def summary_table(by_kind: dict[str, Measured]) -> str:
     rows = []
     for kind, measured in by_kind.items():
         for metric, results in (("wall", measured.wall), ("client CPU", measured.cpu)):
-            vs_bare = ratios(results, "guard", "bare")
-            vs_retries = ratios(results, "guard", "httpx-retries")
-            noise = max(spread(results[v]) for v in VARIANTS)
             rows.append(
                 [
                     kind,
@@ -290,9 +290,9 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
                     us(median(results["bare"])),
                     us(median(results["guard"])),
                     us(median(results["httpx-retries"])),
-                    f"{median(vs_bare):.3f} ({min(vs_bare):.2f}-{max(vs_bare):.2f})",
-                    f"{median(vs_retries):.3f} ({min(vs_retries):.2f}-{max(vs_retries):.2f})",
-                    f"{noise * 100:.0f}%",
+                    ratio_cell(ratios(results, "guard", "bare")),
+                    ratio_cell(ratios(results, "guard", "httpx-retries")),
+                    ratio_cell(ratios(results, "bare, control", "bare")),
                 ]
             )
     headers = [
@@ -301,9 +301,9 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
         "bare µs/req",
         "guard µs/req",
         "httpx-retries µs/req",
-        "guard/bare (range)",
-        "guard/httpx-retries (range)",
-        "round spread",
+        "guard/bare (95% CI)",
+        "guard/httpx-retries (95% CI)",
+        "control/bare (95% CI)",
     ]
     return table(headers, rows, left=2)
 
@@ -334,10 +334,14 @@ class CannedTransport(httpx.BaseTransport):
 
 
 class CannedPool:
-    """Stands in for an httpcore pool where the guard looks for one: only the network backend it hooks."""
+    """Stands in for an httpcore pool where the guard looks for one: only what it hooks (the network backend, and
+    ``create_connection``, which the canned transport never calls: every request is as on a pooled connection)."""
 
     def __init__(self) -> None:
         self._network_backend: httpcore.NetworkBackend = httpcore.SyncBackend()
+
+    def create_connection(self, origin: httpcore.Origin) -> Any:
+        raise AssertionError("the canned transport opens no connection")
 
 
 class PooledCannedTransport(CannedTransport):
@@ -391,16 +395,69 @@ class CannedBackend(httpcore.NetworkBackend):
         return CannedStream(self._response)
 
 
+class AsyncCannedStream(httpcore.AsyncNetworkStream):
+    """`CannedStream` for the async stack."""
+
+    def __init__(self, response: bytes) -> None:
+        self._response = response
+        self._pending = False
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if buffer:
+            self._pending = True
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if not self._pending:
+            raise httpcore.ReadError("nothing was asked")
+        self._pending = False
+        return self._response
+
+    async def aclose(self) -> None:
+        pass
+
+    def get_extra_info(self, info: str) -> Any:
+        return False if info == "is_readable" else None
+
+
+class AsyncCannedBackend(httpcore.AsyncNetworkBackend):
+    """`CannedBackend` for the async stack."""
+
+    def __init__(self, response: bytes) -> None:
+        self._response = response
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return AsyncCannedStream(self._response)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
+def _inner_transport(transport: Any) -> Any:
+    if isinstance(transport, (llama_guard.GuardTransport, llama_guard.AsyncGuardTransport)):
+        return transport.transport
+    if isinstance(transport, RetryTransport):
+        return transport._sync_transport if transport._sync_transport is not None else transport._async_transport
+    return transport
+
+
+def in_memory_async_client(variant: str, url: str = "http://127.0.0.1:8080") -> httpx.AsyncClient:
+    """An asyncio client of ``variant`` (as `async_client`) whose connections are in memory (`AsyncCannedStream`)."""
+    client = async_client(variant, url)
+    _inner_transport(client._transport)._pool._network_backend = AsyncCannedBackend(CANNED_RESPONSE)
+    return client
+
+
 def in_memory_client(variant: str, url: str = "http://127.0.0.1:8080") -> httpx.Client:
     """A client of ``variant`` (as `sync_client`) whose connections are in memory (`CannedStream`)."""
     client = sync_client(variant, url)
-    transport = client._transport
-    inner: Any = transport
-    if isinstance(transport, llama_guard.GuardTransport):
-        inner = transport.transport
-    elif isinstance(transport, RetryTransport):
-        inner = transport._sync_transport
-    inner._pool._network_backend = CannedBackend(CANNED_RESPONSE)
+    _inner_transport(client._transport)._pool._network_backend = CannedBackend(CANNED_RESPONSE)
     return client
 
 
@@ -710,88 +767,44 @@ def profile(rounds: int, requests: int, bare_on_server: float) -> str:
     )
 
 
-# -- instruction counts -------------------------------------------------------------------------------------------
+# -- the repeatable counts (_counts.py runs this script as their child) ---------------------------------------------
 
 
-def _callgrind(valgrind: str, variant: str, requests: int) -> int:
-    """User-space instructions (Ir) of a child Python that makes ``requests`` in-memory requests of ``variant``."""
-    command = [
-        valgrind,
-        "--tool=callgrind",
-        "--callgrind-out-file=/dev/null",
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--instructions-child",
-        variant,
-        str(requests),
-    ]
-    # The same process wherever this script is started from: the same hashes, no .pyc written by one child and read
-    # by the next, and the same working directory and environment (their size moves the memory layout, and with
-    # it the count: starting from another directory changed it by 0.1%).
-    here = str(Path(__file__).resolve().parent)
-    env = {"PATH": os.environ.get("PATH", ""), "LANG": "C.UTF-8", "PWD": here}
-    env |= {"PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
-    if "PYTHONPATH" in os.environ:
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=here, check=False)
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise RuntimeError(f"callgrind of {variant} x{requests} failed (exit {done.returncode}): {done.stderr[-2000:]}")
-    return int(found.group(1))
+def count_child(kind: str, variant: str, requests: int) -> None:
+    """What one child of the counts does: ``requests`` in-memory requests of ``variant``, one after the other."""
+    if kind == "sync":
+        with in_memory_client(variant) as client:
+            run_sync(client, requests)
+        return
 
+    async def run() -> None:
+        async with in_memory_async_client(variant) as client:
+            await run_async(client, requests)
 
-def instruction_counts(valgrind: str, variants: tuple[str, ...] = INSTRUCTION_VARIANTS) -> dict[str, float]:
-    """Instructions per request of each variant, whole sync stack in memory: (Ir(N2) - Ir(N1)) / (N2 - N1)."""
-    n1, n2 = INSTRUCTION_REQUESTS
-    jobs = [(variant, n) for n in (n2, n1) for variant in variants]  # the long ones first: two finish together
-    with ThreadPoolExecutor(max_workers=INSTRUCTION_JOBS) as pool:
-        counts = dict(zip(jobs, pool.map(lambda job: _callgrind(valgrind, *job), jobs), strict=True))
-    return {variant: (counts[variant, n2] - counts[variant, n1]) / (n2 - n1) for variant in variants}
-
-
-def instruction_table(per_request: dict[str, float]) -> str:
-    n1, n2 = INSTRUCTION_REQUESTS
-    bare = per_request["bare"]
-    rows = [
-        [variant, f"{count:,.0f}", f"{count - bare:+,.0f}", f"{count / bare:.3f}"]
-        for variant, count in per_request.items()
-    ]
-    return "\n".join(
-        [
-            f"Instructions per request (callgrind Ir), sync, whole stack in memory (CannedBackend): "
-            f"(Ir({n2} requests) - Ir({n1} requests)) / {n2 - n1}, one child Python each. They count the client's "
-            "user-space instructions whatever else the machine does, so they are the one figure here that repeats "
-            "on a shared machine (to a few instructions per request, same software and environment); they leave "
-            "out the kernel's time in system calls (none in memory, several per real request) and what an "
-            "instruction costs (cache misses, branch mispredictions, clock), so they measure work, not time. "
-            "bare+poolfix: bare with the guard's pool-race fix alone.",
-            table(["variant", "instructions/request", "vs bare", "ratio to bare"], rows),
-        ]
-    )
+    asyncio.run(run())
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=250, help="requests per variant per round (default 250)")
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (default 30)")
+    parser.add_argument("--block", type=int, default=20, help="requests per variant per block (default 20)")
+    parser.add_argument("--blocks", type=int, default=1200, help="interleaved blocks (default 1200)")
     parser.add_argument("--warmup", type=int, default=500, help="warm-up requests per variant (default 500)")
     parser.add_argument("--profile", action="store_true", help="profile the guard even when within the target")
     instructions = parser.add_mutually_exclusive_group()
     instructions.add_argument(
         "--instructions",
         action="store_true",
-        help="only the instruction counts (callgrind; by default they end the run when valgrind is found)",
+        help="only the repeatable counts (cachegrind; by default they end the run when valgrind is found)",
     )
-    instructions.add_argument("--no-instructions", action="store_true", help="skip the instruction counts")
-    # Internal: one child of the instruction counts (run under callgrind).
-    parser.add_argument("--instructions-child", nargs=2, metavar=("VARIANT", "REQUESTS"), help=argparse.SUPPRESS)
+    instructions.add_argument("--no-instructions", action="store_true", help="skip the repeatable counts")
+    # Internal: one child of the counts (run under cachegrind).
+    parser.add_argument("--instructions-child", nargs=3, metavar=("KIND", "VARIANT", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.rounds < 1 or args.warmup < 0:
-        parser.error("--requests and --rounds must be >= 1, --warmup >= 0")
+    if args.block < 1 or args.blocks < 3 or args.warmup < 0:
+        parser.error("--block must be >= 1, --blocks >= 3, --warmup >= 0")
     if args.instructions_child:
-        variant, requests = args.instructions_child
-        with in_memory_client(variant) as client:
-            run_sync(client, int(requests))
+        kind, variant, requests = args.instructions_child
+        count_child(kind, variant, int(requests))
         return 0
     valgrind = None if args.no_instructions else shutil.which("valgrind")
     if args.instructions and valgrind is None:
@@ -802,39 +815,43 @@ def main(argv: list[str] | None = None) -> int:
     if args.instructions:
         assert valgrind is not None
         print()
-        print(instruction_table(instruction_counts(valgrind)))
+        print(count_table(per_request_counts(valgrind)))
         print(f"\n({time.monotonic() - started:.0f} s)")
         return 0
     print(
-        f"httpx {httpx.__version__}, llama_guard {llama_guard.__version__}; {args.rounds} rounds x "
-        f"{args.requests} requests per variant, {args.warmup} warm-up; keep-alive server in its own process"
+        f"httpx {httpx.__version__}, llama_guard {llama_guard.__version__}; {args.blocks} interleaved blocks x "
+        f"{args.block} requests per variant, {args.warmup} warm-up; keep-alive server in its own process"
     )
     with keepalive_server() as url:
         by_kind: dict[str, Measured] = {
-            "sync httpx.Client": measure_sync(url, VARIANTS, args.rounds, args.requests, args.warmup),
-            "asyncio httpx.AsyncClient": asyncio.run(measure_async(url, args.rounds, args.requests, args.warmup)),
+            "sync httpx.Client": measure_sync(url, VARIANTS, args.blocks, args.block, args.warmup),
+            "asyncio httpx.AsyncClient": asyncio.run(measure_async(url, args.blocks, args.block, args.warmup)),
         }
         print()
         print(
-            "Per-request cost, median of rounds; ratios are medians of per-round ratios (range over rounds); "
-            "'wall' is elapsed time, 'client CPU' the client thread's CPU time (the server runs in another process):"
+            "Per-request cost, median of blocks; ratios are medians of per-block ratios with a 95% confidence "
+            "interval; 'wall' is elapsed time, 'client CPU' the client thread's CPU time (the server runs in "
+            "another process); control/bare is a second bare client against the first, the noise alone:"
         )
         print(summary_table(by_kind))
-        worst = {
-            metric: max(median(ratios(getattr(m, attr), "guard", "bare")) for m in by_kind.values())
-            for metric, attr in (("wall", "wall"), ("client CPU", "cpu"))
-        }
-        for metric, value in worst.items():
-            verdict = "within" if value <= TARGET else "ABOVE"
-            print(f"target guard/bare <= {TARGET}, {metric}: {verdict} (worst client kind {value:.3f})")
-        if max(worst.values()) > TARGET or args.profile:
+        for metric, attr in (("wall", "wall"), ("client CPU", "cpu")):
+            for kind, measured in by_kind.items():
+                values = ratios(getattr(measured, attr), "guard", "bare")
+                value, (_, high) = median(values), median_ci(values)
+                verdict = "within" if value <= TARGET else "ABOVE"
+                certainty = " (also the 95% upper bound)" if high <= TARGET else f" (95% upper bound {high:.3f})"
+                print(f"target guard/bare <= {TARGET}, {kind}, {metric}: {verdict}, {value:.3f}{certainty}")
+        worst = max(
+            median(ratios(getattr(m, attr), "guard", "bare")) for m in by_kind.values() for attr in ("wall", "cpu")
+        )
+        if worst > TARGET or args.profile:
             print()
-            print(profile(args.rounds, args.requests, median(by_kind["sync httpx.Client"].wall["bare"])))
+            print(profile(PROFILE_ROUNDS, PROFILE_REQUESTS, median(by_kind["sync httpx.Client"].wall["bare"])))
     if valgrind is not None:
         print()
-        print(instruction_table(instruction_counts(valgrind)))
+        print(count_table(per_request_counts(valgrind)))
     elif not args.no_instructions:
-        print("\n(instruction counts skipped: valgrind not found)")
+        print("\n(repeatable counts skipped: valgrind not found)")
     print(f"\n({time.monotonic() - started:.0f} s)")
     return 0
 

@@ -420,6 +420,24 @@ def test_new_connections_are_probed_and_failures_judged_either_way(server: Llama
         assert type(pool._network_backend).__name__ == "SyncGuardedBackend"
 
 
+def test_a_new_connection_is_probed_once_and_its_hook_is_then_gone(server: LlamaServerEmulator) -> None:
+    """The first request on a new connection carries the hooks (probe, progress); the connection then drops its
+    hook, so later requests on it reach httpcore's own method and nothing of the guard runs per connection."""
+    transport = GuardTransport()
+    pool: Any = transport.transport._pool  # type: ignore[attr-defined]
+    with httpx.Client(transport=transport, base_url=server.url) as client:
+        answers = [client.post(CHAT, json=BODY) for _ in range(5)]
+        (connection,) = pool._connections
+        assert "handle_request" not in vars(connection)  # the one-time hook removed itself
+        assert type(pool.create_connection).__name__ == "_SyncCreateConnection"
+    assert [a.status_code for a in answers] == [200] * 5
+    assert all(a.extensions["llama_guard"].attempts == 1 for a in answers)
+    seen = server.stats()
+    assert seen.requests[("GET", "/health")] == 1  # one probe for the one connection
+    assert seen.requests[("POST", CHAT)] == 5
+    assert transport.stats.snapshot().probes_sent == 1
+
+
 def test_the_probe_never_waits_longer_than_the_callers_read_timeout(server: LlamaServerEmulator) -> None:
     """A caller with a 0.2 s read timeout is not kept 0.5 s per probe (the default probe deadline)."""
     server.inject(Fault.NEVER_ANSWER_ACCEPT, count=None, hold=5.0)
