@@ -396,27 +396,22 @@ class CannedBackend(httpcore.NetworkBackend):
 
 
 class AsyncCannedStream(httpcore.AsyncNetworkStream):
-    """`CannedStream` for the async stack."""
+    """`CannedStream` for the async stack (the same connection behind async methods)."""
 
     def __init__(self, response: bytes) -> None:
-        self._response = response
-        self._pending = False
+        self._stream = CannedStream(response)
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        if buffer:
-            self._pending = True
+        self._stream.write(buffer, timeout)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if not self._pending:
-            raise httpcore.ReadError("nothing was asked")
-        self._pending = False
-        return self._response
+        return self._stream.read(max_bytes, timeout)
 
     async def aclose(self) -> None:
-        pass
+        self._stream.close()
 
     def get_extra_info(self, info: str) -> Any:
-        return False if info == "is_readable" else None
+        return self._stream.get_extra_info(info)
 
 
 class AsyncCannedBackend(httpcore.AsyncNetworkBackend):
