@@ -1,14 +1,13 @@
-"""The guarded request whose attempt is in progress in this thread or task, for the connection hooks to serve.
+"""The guarded request whose attempt is opening a connection in this thread or task, for the connection hooks.
 
 The guard follows each attempt (did it open a new connection, did that connect and its probe succeed) and probes
 new connections from inside httpcore's pool, through a wrapper of the pool's network backend
 (``_async_network.py``). That wrapper is per pool and shared by every request; it learns which request it is
-serving from this context variable, which the transport sets around the one call that runs an attempt. A context
-variable is per thread (sync clients) and per task (asyncio, trio), as an attempt is, and costs next to nothing to
-set and read: far less than httpcore's per-request ``trace`` extension, which the guard used before (ten callbacks
-a request). The value is the request's `RequestRun`, which keeps the progress of its current attempt; nothing is
-built for an attempt that finds a pooled connection.
-"""
+serving from this context variable, which the one-time hook of a new connection sets around that connection's
+first request (inside which httpcore connects). A context variable is per thread (sync clients) and per task
+(asyncio, trio), as an attempt is. Requests on pooled connections never set it: they cost nothing here. The value
+is the request's `RequestRun` (built then if the request had none yet, see `FirstAttempt`), which keeps the
+progress of its current attempt."""
 
 from __future__ import annotations
 
