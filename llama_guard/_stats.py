@@ -58,13 +58,11 @@ class LatencyHistogram:
             index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
             if index >= _BUCKETS:
                 index = _BUCKETS - 1
-            if seconds > self._max:
-                self._max = seconds
         else:  # 10 µs or less (or a clock oddity below zero, counted as zero)
             seconds = max(seconds, 0.0)
             index = 0
-            if seconds > self._max:
-                self._max = seconds
+        if seconds > self._max:
+            self._max = seconds
         self._buckets[index] += 1
         self._total += seconds
 

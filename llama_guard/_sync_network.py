@@ -37,11 +37,16 @@ def track_connections(pool: Any) -> bool:
     create = getattr(pool, "create_connection", None)
     if backend is None or create is None:
         return False
-    if not isinstance(backend, SyncGuardedBackend):
-        pool._network_backend = SyncGuardedBackend(backend)
+    _wrap_backend(pool)
     if not isinstance(create, _SyncCreateConnection):
         pool.create_connection = _SyncCreateConnection(pool, create)  # on this pool instance only
     return True
+
+
+def _wrap_backend(pool: Any) -> None:
+    """Wrap the pool's network backend in the guard's, unless it is wrapped already."""
+    if not isinstance(pool._network_backend, SyncGuardedBackend):
+        pool._network_backend = SyncGuardedBackend(pool._network_backend)
 
 
 class _SyncCreateConnection:
@@ -54,11 +59,9 @@ class _SyncCreateConnection:
         self._create = create
 
     def __call__(self, origin: Any) -> Any:
-        pool = self._pool
-        if not isinstance(pool._network_backend, SyncGuardedBackend):
-            # Someone replaced the pool's backend after the guard wrapped it: wrap the new one, before the
-            # connection is given it. Checked here, once per connection, rather than for every request.
-            pool._network_backend = SyncGuardedBackend(pool._network_backend)
+        # Someone may have replaced the pool's backend after the guard wrapped it: wrap the new one before the
+        # connection is given it. Checked here, once per connection, rather than for every request.
+        _wrap_backend(self._pool)
         connection = self._create(origin)
         # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
         with contextlib.suppress(AttributeError):

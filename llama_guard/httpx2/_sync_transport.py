@@ -24,7 +24,7 @@ from .._policy import GuardPolicy
 from .._pool_fix import KEEPALIVE_EXPIRY, cap_keepalive_expiry, fix_pool_race
 from .._probe import ProbeExchange, ProbeProtocolError
 from .._result import EXTENSION, new_result
-from ._run import MAX_RETRIED_ERROR_BODY, FirstAttempt, RequestRun, request_body
+from ._run import MAX_RETRIED_ERROR_BODY, RETRIED_STATUSES, FirstAttempt, RequestRun, request_body
 from .._sockets import shutdown_connection
 from .._stats import GuardStats
 
@@ -131,8 +131,7 @@ class GuardTransport(httpx.BaseTransport):
             self.stats.record_request(1, None, False)
             raise
         request.stream = user_stream
-        status = response.status_code
-        if status == 503 or status == 429:
+        if response.status_code in RETRIED_STATUSES:
             run = first.guarded_run()
             run.end_attempt()
             return self._guarded(run, response)
