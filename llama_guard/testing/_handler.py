@@ -541,8 +541,20 @@ class _Router:
         # closes the socket right away, whatever the head announced.
         if self.responder.announced_keep_alive:
             self.ctx.stats.stream_closed_after_done()
+            if self.ctx.config.stream_close == "on_reuse":
+                self._give_up_on_reuse()
+                return False
         self.wire.sleep(self.ctx.config.stream_close_delay)
         return False
+
+    def _give_up_on_reuse(self) -> None:
+        """``stream_close="on_reuse"``: keep the given-up connection open (no FIN) until the client writes its next
+        request on it, then close it unread -- what a client that reused it sees on the real server, whatever the
+        timing. The keep-alive timeout, or the client closing first, ends it quietly."""
+        if not self.wire.wait_readable(self.ctx.config.keepalive_timeout):
+            return
+        if not self.wire.peer_closed():
+            self.ctx.stats.request_dropped_after_stream()
 
 
 _ROUTES: dict[tuple[str, str], Callable[[_Router], bool]] = {
