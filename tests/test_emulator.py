@@ -504,27 +504,29 @@ def test_stall_burst_stalls_the_connections_after_http_threads_until_released() 
 
 def test_stall_burst_rearms_once_every_connection_of_the_burst_closed() -> None:
     """The next burst stalls again (doctor --burst style), and stop() closes a connection still stalled."""
-    with LlamaServerEmulator(http_threads=1, stall_burst=2) as server:
-        for burst_number in (1, 2):
+    server = LlamaServerEmulator(http_threads=1, stall_burst=2).start()
+    bursts: list[list[socket.socket]] = []
+    try:
+        for number in (1, 2):
             first, second = connect(server), connect(server)
-            with first, second:
-                first.sendall(HEALTH)
-                second.sendall(HEALTH)
-                read_response(first)
-                server.wait_for(
-                    lambda s, n=burst_number: s.connections_stalled_unread == 1 and s.connections_stalled == n
-                )
-                assert not answered(second)
-                if burst_number == 2:
-                    break  # leave it stalled for stop()
-                first.close()
+            bursts.append([first, second])
+            first.sendall(HEALTH)
+            second.sendall(HEALTH)
+            read_response(first)
+            server.wait_for(lambda s, n=number: s.connections_stalled_unread == 1 and s.connections_stalled == n)
+            assert not answered(second)
+            if number == 1:
+                first.close()  # its thread takes the stalled one
                 read_response(second)
-            server.wait_for(lambda s: s.connections_closed == 2)
-        stats = server.stats()
-        assert stats.stall_bursts == 2
+                second.close()
+                server.wait_for(lambda s: s.connections_closed == 2)  # the server is idle: the next burst re-arms
+        assert server.stats().stall_bursts == 2
+    finally:
+        server.stop()  # the second burst's stalled connection is still open: closed unread
+        for sock in (sock for pair in bursts for sock in pair):
+            sock.close()
     stats = server.stats()
-    assert stats.connections_stalled == 2
-    assert stats.stalled_released_by_close == 1
+    assert (stats.connections_stalled, stats.stalled_released_by_close, stats.stalled_released_by_call) == (2, 1, 0)
     # Connections 2 (released by the close of 1) and 4 (closed unread by stop) were the stalled ones.
     waits = {w.connection_id: (w.unread_bytes, w.served) for w in stats.connection_waits}
     assert (waits[2], waits[4]) == ((len(HEALTH), True), (len(HEALTH), False))
