@@ -553,8 +553,30 @@ class _Router:
         timing. The keep-alive timeout, or the client closing first, ends it quietly."""
         if not self.wire.wait_readable(self.ctx.config.keepalive_timeout):
             return
-        if not self.wire.peer_closed():
-            self.ctx.stats.request_dropped_after_stream()
+        if self.wire.peer_closed():
+            return
+        self.ctx.stats.request_dropped_after_stream()
+        # Read the whole request (and throw it away) before closing: the close is then a FIN with nothing unread,
+        # so the client has written all of it and sees "disconnected without a response", never a half-written
+        # body (which some clients report differently, e.g. trio's unfinished body generator).
+        _discard_request(self.wire)
+
+
+def _discard_request(wire: Wire) -> None:
+    """Read one request to its end (or to EOF / a framing error) without serving it."""
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    try:
+        while True:
+            event = parser.next_event()
+            if event is h11.NEED_DATA:
+                data = wire.recv()
+                parser.receive_data(data)
+                if not data:
+                    return
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return
+    except h11.RemoteProtocolError:
+        return
 
 
 _ROUTES: dict[tuple[str, str], Callable[[_Router], bool]] = {
