@@ -533,6 +533,29 @@ def test_stall_burst_rearms_once_every_connection_of_the_burst_closed() -> None:
     no_errors(stats)
 
 
+def test_stall_burst_serves_a_connection_that_finds_a_thread_idle() -> None:
+    """A client that replaces its connections one at a time is not a burst: a closed connection's thread serves
+    the next one; only a connection that finds every thread busy stalls."""
+    with LlamaServerEmulator(http_threads=2, stall_burst=8) as server:
+        first, second = connect(server), connect(server)
+        with first, second:
+            for sock in (first, second):
+                sock.sendall(HEALTH)
+                read_response(sock)
+            first.close()
+            server.wait_for(lambda s: s.connections_closed == 1)
+            with connect(server) as third, connect(server) as fourth:
+                third.sendall(HEALTH)
+                fourth.sendall(HEALTH)
+                read_response(third)  # the thread the first one freed
+                stats = server.wait_for(lambda s: s.connections_stalled_unread == 1)
+                assert not answered(fourth)
+                assert (stats.connections_stalled, stats.stall_bursts) == (1, 1)
+                assert server.release_stalled() == 1
+                read_response(fourth)
+        no_errors(server.stats())
+
+
 def test_release_stalled_needs_stall_burst_and_a_count() -> None:
     with LlamaServerEmulator() as server:
         with pytest.raises(RuntimeError, match="needs an emulator started with stall_burst"):
