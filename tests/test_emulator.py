@@ -557,12 +557,10 @@ def test_stall_burst_serves_a_connection_that_finds_a_thread_idle() -> None:
 
 
 def test_release_stalled_needs_stall_burst_and_a_count() -> None:
-    with LlamaServerEmulator() as server:
-        with pytest.raises(RuntimeError, match="needs an emulator started with stall_burst"):
-            server.release_stalled()
-    with LlamaServerEmulator(stall_burst=8) as server:
-        with pytest.raises(ValueError, match="count must be None or an int >= 0, got -1"):
-            server.release_stalled(-1)
+    with LlamaServerEmulator() as server, pytest.raises(RuntimeError, match="needs an emulator started with stall"):
+        server.release_stalled()
+    with LlamaServerEmulator(stall_burst=8) as server, pytest.raises(ValueError, match="an int >= 0, got -1"):
+        server.release_stalled(-1)
 
 
 def test_the_command_line_offers_both_deterministic_modes() -> None:
