@@ -9,11 +9,13 @@ on cpp-httplib; the facts about b11434 come from measurements):
 * **Thread pool** (``ThreadPool``, see :mod:`._httplib_pool`): ``http_threads``
   base threads, dynamic ones up to ``max_http_threads``, the idle-counter bug of
   builds before b11737 when ``pool_bug=True`` (defect 2).  A thread owns a
-  connection for its whole keep-alive life.
+  connection for its whole keep-alive life.  ``stall_burst`` replaces the
+  race with a deterministic gate in front of the pool (see :mod:`._stall_gate`).
 * **Keep-alive loop** (``process_server_socket_core``, see :mod:`._handler`):
   ``keepalive_max`` requests per connection, ``keepalive_timeout`` idle wait,
   ``Keep-Alive: timeout=5, max=100`` announced -- also on streams, which are
-  then closed right after ``0\\r\\n\\r\\n`` (defect 1, ``close_after_stream``).
+  then closed right after ``0\\r\\n\\r\\n`` (defect 1, ``close_after_stream``;
+  ``stream_close="on_reuse"`` instead closes when the next request arrives).
 * **Slots** (``--parallel``, see :mod:`._slots`): a completion waits, silent,
   for a free slot; streamed heads go out with the first token, non-streamed
   answers once generation is over.

@@ -7,7 +7,9 @@ failure.  A streamed completion always "fails" in b11434: llama-server's
 chunked content provider returns ``false`` after ``sink.done()``, which
 cpp-httplib treats as a cancelled write -- so the connection is closed right
 after the terminating ``0\\r\\n\\r\\n`` although the head promised
-``Keep-Alive: timeout=5, max=100`` (defect 1).
+``Keep-Alive: timeout=5, max=100`` (defect 1).  With ``stream_close="on_reuse"``
+the emulator makes that loss deterministic: it sends no FIN, waits for the
+client's next request on the connection, reads it, and closes unanswered.
 
 Requests are parsed with h11 (one ``h11.Connection`` per request, so h11's own
 keep-alive rules never interfere with cpp-httplib's); responses are written as
