@@ -2,8 +2,10 @@
 
 The emulator has both llama-server defects on (streams close their kept-alive connection 60 ms after the final
 chunk; the thread pool leaves a burst of new connections unread), so a proxy without the guard loses requests, and
-the control test shows that it does. Every figure a test asserts comes from one of three places that do not trust
-each other: what the clients received, the proxy's ``/guard/stats``, and the emulator's server-side counters.
+the control test shows that it does: on the emulator's deterministic stream close (``stream_close="on_reuse"``), it
+loses exactly the requests the emulator dropped. Every figure a test asserts comes from one of three places that
+do not trust each other: what the clients received, the proxy's ``/guard/stats``, and the emulator's server-side
+counters.
 
 The proxy runs as it would in production (``uvicorn examples.fastapi_proxy:app``, configured by environment), on a
 port uvicorn picks (``--port 0``, read from its log), and is stopped (SIGTERM, then SIGKILL) when the test ends.
