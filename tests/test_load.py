@@ -61,9 +61,6 @@ def _server() -> LlamaServerEmulator:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", FLAVORS)
-# Plain httpx under trio leaves the request body's async generator unfinished when a write fails, and trio's
-# finalizer warns about it later: that is httpx's behaviour, measured here, not the guard's (its test is strict).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_proxy_like_load_loses_requests_with_plain_httpx(flavor: str) -> None:
     with _server() as server:
         plain = run_scenario(flavor, proxy_load, flavor, server.url, False)
