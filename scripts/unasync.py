@@ -26,7 +26,7 @@ Rules = tuple[tuple[str, str], ...]
 
 UNASYNC_DOCSTRING: Rules = (
     (
-        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_transport.py`` from it",
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_transport.py`` from it",
         "This file is generated from ``async_transport.py`` by ``scripts/unasync.py``",
     ),
 )
@@ -55,7 +55,7 @@ UNASYNC: Rules = (
 
 # The httpx2 flavour: llama_guard/_httpx2/ mirrors llama_guard/_httpx/ file for file, with httpx2/httpcore2 imported
 # under the names the source uses. Modules of _httpx that import no HTTP library are shared, not generated.
-SHARED_MODULES = ("internals", "sockets")
+SHARED_MODULES = ("sockets",)
 
 
 def httpx2_rules(source: Path) -> Rules:
@@ -75,7 +75,7 @@ def httpx2_rules(source: Path) -> Rules:
 # The connection hooks (``async_connections.py``): their own rules, as each rule must apply to its source.
 NETWORK_DOCSTRING: Rules = (
     (
-        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_network.py`` from it "
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_connections.py`` from it "
         r"\(and the httpx2\ntwins\), and CI checks that they are current\.",
         "This file is generated from ``async_connections.py`` by ``scripts/unasync.py``.",
     ),
@@ -95,7 +95,7 @@ NETWORK_UNASYNC: Rules = (
 
 HTTPX2_DOCSTRING: Rules = (
     (
-        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_transport.py`` from it",
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_transport.py`` from it",
         "This file is generated for httpx2 from ``_httpx/async_transport.py`` by ``scripts/unasync.py``",
     ),
 )
@@ -142,6 +142,7 @@ JOBS: tuple[Job, ...] = (
     ),
     Job(SOURCE / "attempts.py", HTTPX2 / "attempts.py", httpx2_rules(SOURCE / "attempts.py")),
     Job(SOURCE / "exceptions.py", HTTPX2 / "exceptions.py", httpx2_rules(SOURCE / "exceptions.py")),
+    Job(SOURCE / "internals.py", HTTPX2 / "internals.py", httpx2_rules(SOURCE / "internals.py")),
 )
 
 

@@ -2,7 +2,7 @@
 
 The guard follows each attempt (did it open a new connection, did that connect and its probe succeed) and probes
 new connections from inside httpcore's pool, through a wrapper of the pool's network backend
-(``_async_network.py``). That wrapper is per pool and shared by every request; it learns which request it is
+(``_httpx/async_connections.py``). That wrapper is per pool and shared by every request; it learns which request it is
 serving from this context variable, which the one-time hook of a new connection sets around that connection's
 first request (inside which httpcore connects). A context variable is per thread (sync clients) and per task
 (asyncio, trio), as an attempt is. Requests on pooled connections never set it: they cost nothing here. The value
@@ -27,9 +27,8 @@ class GuardedRequest(Protocol):
     @property
     def origin(self) -> Origin: ...
     @property
-    def guard(self) -> Any: ...  # the transport, whose ``_probe`` probes a new connection
-    @property
     def probing(self) -> bool: ...
+    def probe(self, stream: Any) -> Any: ...  # probes a new connection; a coroutine for async transports
     def connecting(self) -> None: ...
     def connected(self) -> None: ...
 

@@ -110,6 +110,9 @@ class StatsSnapshot:
     errors: dict[str, int] = field(default_factory=dict)
     first_byte: LatencySummary | None = None
     probe_latency: LatencySummary | None = None
+    # Why the guard follows requests through httpcore's public trace extension instead of its hooks on the pool
+    # (an httpcore/httpx version it was not tested with, or a pool out of reach); None when the hooks are in place.
+    public_path: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
@@ -129,6 +132,7 @@ class StatsSnapshot:
         data["errors"] = dict(self.errors)
         data["first_byte"] = self.first_byte.as_dict() if self.first_byte else None
         data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency else None
+        data["public_path"] = self.public_path
         return data
 
 
@@ -143,6 +147,7 @@ class GuardStats:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
         self.reset()
 
     def reset(self) -> None:
@@ -208,6 +213,7 @@ class GuardStats:
                 errors=dict(self.errors),
                 first_byte=self.first_byte.summary(),
                 probe_latency=self.probe_latency.summary(),
+                public_path=self.public_path,
             )
 
     def __repr__(self) -> str:

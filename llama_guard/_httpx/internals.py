@@ -1,35 +1,158 @@
-"""A fix for a thread race in httpcore 1.x's connection pool, applied to the pools the guard wraps.
+"""Every access the guard makes to private attributes of httpcore and httpx, behind one version gate.
 
-httpcore 1.0's pool assigns an idle connection to a request under its lock, but the connection stays IDLE until
-the request's own thread sends on it. A pass of the pool made by another thread in between may judge the same
-connection expired, surplus or replaceable, and close it outside the lock, while the first request is already
-using it: that request fails (``[Errno 9] Bad file descriptor``, sometimes while reading its body, where nothing
-can retry it). Under the proxy-like load of this project's tests, plain httpx lost 30 of 2,000 requests that way
-besides those lost to llama-server. httpcore2 fixed it by treating connections that a queued or in-flight request
-holds as reserved; this module backports that rule.
+The guard follows new connections through hooks on the httpcore pool (its network backend and
+``create_connection``), fixes a thread race of httpcore 1.x's pool (``_assign_requests_to_connections``, see
+below), caps the pool's keep-alive expiry, reads ``Headers._list`` for speed, and sets a client's ``_transport``
+and ``_mounts`` in `guard()`. None of that is public API: it is done here only, and only for the library
+versions in `TESTED_VERSIONS`. On any other version `untested_versions()` names it, the transports log one
+warning, patch nothing private and follow requests through httpcore's public ``trace`` extension instead, which
+still probes new connections and drops the connection after a stream. Upper pins in ``pyproject.toml`` match.
 
-The fix replaces ``_assign_requests_to_connections`` on one pool instance (never on the class, never globally),
-and only for an httpcore 1.x HTTP/1.1 pool that looks exactly as expected; anything else is left alone.
+The httpx2 flavour of this module (``_httpx2/internals.py``) is generated, so it reads httpcore2's and httpx2's
+versions.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["KEEPALIVE_EXPIRY", "cap_keepalive_expiry", "fix_pool_race"]
+import httpcore
+import httpx
+
+from .._core.decisions import is_streaming_response
+from .._core.log import logger
+
+__all__ = [
+    "KEEPALIVE_EXPIRY",
+    "TESTED_VERSIONS",
+    "cap_keepalive_expiry",
+    "check_versions",
+    "client_transports",
+    "fix_pool_race",
+    "hookable_pool",
+    "remove_instance_method",
+    "replace_client_transports",
+    "set_instance_method",
+    "streaming_check",
+    "untested_versions",
+]
+
+# The versions whose private attributes used here were read and run against. httpcore 1.0.7 to 1.0.9 ship the same
+# connection_pool.py, the one the race fix below was copied from (earlier 1.0.x differ). httpx 0.27/0.28 keep
+# Client._transport/_mounts, HTTPTransport._pool and Headers._list as used here.
+TESTED_VERSIONS: dict[str, frozenset[str]] = {
+    "httpcore": frozenset({"1.0.7", "1.0.8", "1.0.9"}),
+    "httpx": frozenset({"0.27.0", "0.27.1", "0.27.2", "0.28.0", "0.28.1"}),
+    "httpcore2": frozenset({"2.16.2"}),
+    "httpx2": frozenset({"2.16.2"}),
+}
 
 # llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), and httpx's default expiry is 5 s too:
 # a pool that reuses a connection just as the server closes it loses the request. Expire ours a second earlier.
 KEEPALIVE_EXPIRY = 4.0
 
+_WARNED: set[str] = set()
+
+
+def untested_versions() -> str | None:
+    """None when the imported httpcore and httpx are versions in `TESTED_VERSIONS`; else why not, naming them.
+
+    Read from the modules' own ``__version__`` at each call (transport construction), so a test can change it."""
+    for module in (httpcore, httpx):
+        name, version = module.__name__, module.__version__
+        tested = TESTED_VERSIONS.get(name, frozenset())
+        if version not in tested:
+            return (
+                f"{name} {version} is not a version llama_guard was tested with ({', '.join(sorted(tested))}): "
+                "the guard patches nothing private and follows requests through the public trace extension"
+            )
+    return None
+
+
+def check_versions() -> str | None:
+    """`untested_versions()`, logged once per process for each untested version."""
+    reason = untested_versions()
+    if reason is not None and reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("%s", reason)
+    return reason
+
+
+def hookable_pool(transport: Any) -> Any:
+    """The httpcore pool of an httpx transport, if the guard can put its hooks on it; else None."""
+    pool = getattr(transport, "_pool", None)
+    if getattr(pool, "_network_backend", None) is None or getattr(pool, "create_connection", None) is None:
+        return None
+    return pool
+
+
+def network_backend(pool: Any) -> Any:
+    return pool._network_backend
+
+
+def set_network_backend(pool: Any, backend: Any) -> None:
+    pool._network_backend = backend
+
+
+def set_instance_method(obj: Any, name: str, method: Callable[..., Any]) -> bool:
+    """Shadow a method of one httpcore object (a pool's ``create_connection``, a new connection's request
+    handler) with an instance attribute; False for an object without an instance ``__dict__`` (not httpcore's)."""
+    try:
+        setattr(obj, name, method)
+    except AttributeError:
+        return False
+    return True
+
+
+def remove_instance_method(obj: Any, name: str) -> None:
+    """Undo `set_instance_method`; harmless if another thread did it first."""
+    # Not through obj.__dict__, which would turn the instance's inline attributes into a dict.
+    with contextlib.suppress(AttributeError):
+        delattr(obj, name)
+
+
+def client_transports(client: Any) -> tuple[Any, dict[Any, Any]]:
+    """An httpx client's transport and mounts (no public accessor exists)."""
+    return client._transport, client._mounts
+
+
+def replace_client_transports(client: Any, wrap: Callable[[Any], Any]) -> None:
+    """Replace a client's transport and every mounted transport by ``wrap(transport)``."""
+    transport, mounts = client_transports(client)
+    client._transport = wrap(transport)
+    client._mounts = {pattern: None if t is None else wrap(t) for pattern, t in mounts.items()}
+
+
+def _is_streaming_response_fast(headers: Any) -> bool:
+    """`is_streaming_response` over httpx's (raw name, lower-case name, value) triples: one pass, no lookups."""
+    for _, name, value in headers._list:
+        if name == b"content-type":
+            if value[:17].lower() == b"text/event-stream":
+                return True
+        elif name == b"transfer-encoding" and value.lower().find(b"chunked") != -1:
+            return True
+    return False
+
+
+def streaming_check(tested: bool) -> Callable[[Any], bool]:
+    """The response test the transport uses: the fast one on tested versions, else the public one."""
+    return _is_streaming_response_fast if tested else is_streaming_response
+
+
+# -- the pool race (httpcore 1.x) ---------------------------------------------------------------------------------
+# httpcore 1.0's pool assigns an idle connection to a request under its lock, but the connection stays IDLE until
+# the request's own thread sends on it; another thread's pass of the pool in between may close it as expired or
+# surplus while it is in use (``[Errno 9] Bad file descriptor``). httpcore2 treats connections held by a request
+# as reserved; this backports that rule to one pool instance (never the class).
+
 
 def _assign_requests_to_connections(self: Any) -> list[Any]:
     """httpcore 1.0.9's method, except that connections held by a request are neither closed nor reassigned.
 
-    Called twice for every request (when it enters the pool and when its response closes), so written as plain
-    loops: no comprehension or generator frames. It decides exactly what the set-and-list version before it did.
-    """
+    Plain loops, no comprehensions: it runs twice for every request."""
     closing: list[Any] = []
     requests = self._requests
     reserved: set[Any] = set()

@@ -19,34 +19,31 @@ are its own, unwrapped (an https connection only until its TLS handshake).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import httpcore
 
-from .._core.attempt_context import CURRENT_ATTEMPT
+from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
 from .attempts import AttemptBody
+from .internals import network_backend, remove_instance_method, set_instance_method, set_network_backend
 
 __all__ = ["SyncGuardedBackend", "track_connections"]
 
 
-def track_connections(pool: Any) -> bool:
-    """Put the guard's hooks on ``pool`` (once): on its network backend and on the connections it creates. False
-    if ``pool`` is not an httpcore pool."""
-    backend = getattr(pool, "_network_backend", None)
-    create = getattr(pool, "create_connection", None)
-    if backend is None or create is None:
-        return False
+def track_connections(pool: Any) -> None:
+    """Put the guard's hooks on ``pool`` (once): on its network backend and on the connections it creates.
+    ``pool``: from `internals.hookable_pool`."""
     _wrap_backend(pool)
+    create = pool.create_connection
     if not isinstance(create, _SyncCreateConnection):
-        pool.create_connection = _SyncCreateConnection(pool, create)  # on this pool instance only
-    return True
+        set_instance_method(pool, "create_connection", _SyncCreateConnection(pool, create))
 
 
 def _wrap_backend(pool: Any) -> None:
     """Wrap the pool's network backend in the guard's, unless it is wrapped already."""
-    if not isinstance(pool._network_backend, SyncGuardedBackend):
-        pool._network_backend = SyncGuardedBackend(pool._network_backend)
+    backend = network_backend(pool)
+    if not isinstance(backend, SyncGuardedBackend):
+        set_network_backend(pool, SyncGuardedBackend(backend))
 
 
 class _SyncCreateConnection:
@@ -64,8 +61,7 @@ class _SyncCreateConnection:
         _wrap_backend(self._pool)
         connection = self._create(origin)
         # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
-        with contextlib.suppress(AttributeError):
-            connection.handle_request = _SyncFirstRequest(connection)
+        set_instance_method(connection, "handle_request", _SyncFirstRequest(connection))
         return connection
 
 
@@ -84,11 +80,8 @@ class _SyncFirstRequest:
 
     def __call__(self, request: httpcore.Request) -> httpcore.Response:
         connection = self._connection
-        # Not through connection.__dict__, which would turn the instance's inline attributes into a dict and slow
-        # down every later attribute access of httpcore's. Two threads may race here for a new HTTP/2 connection
-        # (only one of them connects): the second finds the hook gone already.
-        with contextlib.suppress(AttributeError):
-            del connection.handle_request
+        # Two threads may race here for a new HTTP/2 connection (only one connects): the second finds it gone.
+        remove_instance_method(connection, "handle_request")
         body = request.stream
         token = CURRENT_ATTEMPT.set(body.guarded_run() if isinstance(body, AttemptBody) else None)
         try:
@@ -124,7 +117,7 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         if run.probing and host == run.request.url.host and port == run.origin.port:
             if run.request.url.scheme == "https":
                 return _SyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
-            run.guard._probe(stream, run)  # closes the stream and raises if the probe fails
+            run.probe(stream)  # closes the stream and raises if the probe fails
         run.connected()
         return stream
 
@@ -147,7 +140,7 @@ class _SyncProbeAfterTls(httpcore.NetworkStream):
     """A new https connection to probe once httpcore has done its TLS handshake; the TLS stream that
     `start_tls` returns is httpcore's own, not wrapped."""
 
-    def __init__(self, stream: httpcore.NetworkStream, run: Any) -> None:
+    def __init__(self, stream: httpcore.NetworkStream, run: GuardedRequest) -> None:
         self._stream = stream
         self._run = run
 
@@ -155,7 +148,7 @@ class _SyncProbeAfterTls(httpcore.NetworkStream):
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
         stream = self._stream.start_tls(ssl_context, server_hostname, timeout)
-        self._run.guard._probe(stream, self._run)  # skips HTTP/2 connections (ALPN "h2")
+        self._run.probe(stream)  # skips HTTP/2 connections (ALPN "h2")
         self._run.connected()
         return stream
 

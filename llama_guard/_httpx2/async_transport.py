@@ -15,18 +15,25 @@ import httpcore2 as httpcore
 import httpx2 as httpx
 import tenacity
 
-from .._core.decisions import is_streaming_response
 from .._core.log import logger
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.probe import ProbeExchange, ProbeProtocolError
+from .._core.request_state import MAX_RETRIED_ERROR_BODY, RETRIED_STATUSES
 from .._core.result import EXTENSION, new_result
 from .._core.stats import GuardStats
 from .async_connections import track_connections
-from .attempts import MAX_RETRIED_ERROR_BODY, RETRIED_STATUSES, FirstAttempt, RequestRun, request_body
+from .attempts import FirstAttempt, RequestRun, request_body
 from .exceptions import ProbeError, ProbeTimeout
-from .._httpx.internals import KEEPALIVE_EXPIRY, cap_keepalive_expiry, fix_pool_race
+from .internals import (
+    KEEPALIVE_EXPIRY,
+    cap_keepalive_expiry,
+    check_versions,
+    fix_pool_race,
+    hookable_pool,
+    streaming_check,
+)
 from .._httpx.sockets import shutdown_connection
 
 __all__ = ["AsyncGuardTransport"]
@@ -46,7 +53,17 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
     ``response.extensions["llama_guard"]`` (a `GuardResult`). Counters are in ``stats``.
     """
 
-    def __init__(self, transport: httpx.AsyncBaseTransport | None = None, *, policy: GuardPolicy | None = None) -> None:
+    def __init__(
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        policy: GuardPolicy | None = None,
+        stats: GuardStats | None = None,
+        origins: OriginRegistry | None = None,
+    ) -> None:
+        """``stats``: a `GuardStats` to count into (shared by several transports), else a new one. ``origins``: the
+        registry of llama-server origins to share with other transports (what `install()` passes); else the
+        policy's."""
         if policy is not None and not isinstance(policy, GuardPolicy):
             raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
@@ -54,30 +71,37 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 "transport must be an httpx.AsyncBaseTransport (for a sync client use GuardTransport); "
                 f"got {type(transport).__name__}"
             )
+        if stats is not None and not isinstance(stats, GuardStats):
+            raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
         self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
-        # httpcore 1.x can close a connection that another request is using (see _pool_fix): not on our watch.
-        fix_pool_race(self._transport)
-        # A wrapped transport (guard(client)) usually has httpx's 5 s keep-alive expiry, llama-server's own timeout.
-        cap_keepalive_expiry(self._transport)
+        self._policy = policy if policy is not None else GuardPolicy()
+        self.stats = stats if stats is not None else GuardStats()
+        self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
-        # Attempts are followed, and new connections probed, by hooks on the pool's network backend. A transport
-        # whose pool is out of reach (a wrapper around one) is followed through httpcore's trace extension instead.
-        self._pool: Any = getattr(self._transport, "_pool", None)  # None: not reachable (see below)
-        if not track_connections(self._pool):
-            self._pool = None
-        self._policy = policy if policy is not None else GuardPolicy()
-        self._origins = OriginRegistry(self._policy.origins)
+        # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
+        # library versions the guard was tested with; otherwise, or when the pool is out of reach (a wrapper
+        # around a transport), through httpcore's public trace extension.
+        untested = check_versions()
+        pool = hookable_pool(self._transport) if untested is None else None
+        if pool is not None:
+            fix_pool_race(self._transport)  # httpcore 1.x can close a connection another request is using
+            cap_keepalive_expiry(self._transport)  # wrapped transports often expire at llama-server's own 5 s
+            track_connections(pool)
+        else:
+            self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
+        self._hooked = pool is not None
+        self._is_streaming = streaming_check(untested is None)
+        self._probe_connection = self._probe
         # Read for every request: plain attributes.
         self._every_origin = self._origins.every_origin
-        # The first attempt can go out as it is (FirstAttempt) when the hooks on the pool follow it and the
-        # policy adds nothing to the request; a llama stream gets `Connection: close` in "close" mode.
-        self._plain_first_attempts = self._pool is not None and self._policy.first_byte_timeout is None
+        # The first attempt can go out as it is (FirstAttempt) when the hooks follow it and the policy adds nothing
+        # to the request; a llama stream gets `Connection: close` in "close" mode.
+        self._plain_first_attempts = self._hooked and self._policy.first_byte_timeout is None
         self._close_streams = self._policy.stream_mode == "close"
         self._drops_streams = self._policy.stream_mode != "off"
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
-        self.stats = GuardStats()
 
     @property
     def policy(self) -> GuardPolicy:
@@ -111,13 +135,21 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         if overrides is not None or body is None or not self._plain_first_attempts or (stream and self._close_streams):
             # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
             run = RequestRun(
-                request, origin, policy, self, body=body, stream=stream, user_stream=request.stream, started=started
+                request,
+                origin,
+                policy,
+                self.stats,
+                self._probe_connection,
+                body=body,
+                stream=stream,
+                user_stream=request.stream,
+                started=started,
             )
             return await self._guarded(run)
 
         # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
         # (FirstAttempt). Most requests are answered here, on a pooled connection.
-        first = FirstAttempt(self, request, origin, policy, body, stream, started)
+        first = FirstAttempt(self.stats, self._probe_connection, request, origin, policy, body, stream, started)
         user_stream = request.stream
         request.stream = first
         try:
@@ -138,7 +170,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             return await self._guarded(run, response)
         if first.run is not None:  # the connection hooks probed a new connection for this attempt
             first.run.end_attempt()
-        closing = self._drops_streams and is_streaming_response(response.headers) and self._drop_after_stream(response)
+        closing = self._drops_streams and self._is_streaming(response.headers) and self._drop_after_stream(response)
         first_byte = time.monotonic() - started
         response.extensions[EXTENSION] = new_result((1, 0, first_byte, stream, closing, ()))
         self.stats.record_request(1, first_byte, False)
@@ -166,7 +198,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 if run.may_retry:
                     response = await self._retry(run, response)
             closing = run.close_connection
-            if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
+            if not closing and run.policy.stream_mode != "off" and self._is_streaming(response.headers):
                 closing = self._drop_after_stream(response)
             response.extensions[EXTENSION] = run.result(closing)
             return response
@@ -202,7 +234,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         # The usual way: the hooks on the pool (_async_network.py) see a new connection and report it to this
         # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all. A
         # transport whose pool is out of reach is followed through httpcore's trace extension instead.
-        trace = None if self._pool is not None else _AsyncTracer(run, self._probe)
+        trace = None if self._hooked else _AsyncTracer(run, self._probe)
         request = run.begin_attempt(trace)
         try:
             response = await self._transport.handle_async_request(request)
@@ -303,7 +335,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             self._origins.learns
             and self._origins.learn(origin, response.headers)
             and self._policy.stream_mode != "off"
-            and is_streaming_response(response.headers)
+            and self._is_streaming(response.headers)
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server, so its connection
             # dies after this stream too.

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import httpx
 
 from .._core.policy import GuardPolicy
+from .._httpx import internals as httpx_internals
 from .._httpx.async_transport import AsyncGuardTransport
 from .._httpx.sync_transport import GuardTransport
 
@@ -22,9 +23,15 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports are
     wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
     given. httpx offers no public way to replace a client's transports, so this sets the client's ``_transport``
-    and ``_mounts`` (stable across httpx 0.2x and httpx2).
+    and ``_mounts``: only on the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise).
     """
-    guard_class = _guard_class_for(client)
+    guard_class, internals = _guard_class_for(client)
+    untested = internals.untested_versions()
+    if untested is not None:
+        raise RuntimeError(
+            f"guard(client) replaces private attributes of the client, and {untested.partition(':')[0]}; "
+            "build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) instead"
+        )
 
     def wrap(transport: Any) -> Any:
         if isinstance(transport, guard_class):
@@ -33,28 +40,28 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
             transport = transport.transport
         return guard_class(transport, policy=policy)
 
-    target: Any = client
-    target._transport = wrap(target._transport)
-    target._mounts = {pattern: None if t is None else wrap(t) for pattern, t in target._mounts.items()}
+    internals.replace_client_transports(client, wrap)
     return client
 
 
-def _guard_class_for(client: object) -> type[Any]:
+def _guard_class_for(client: object) -> tuple[type[Any], Any]:
+    """The guard class for ``client``'s kind and library, and that library's internals module."""
     if isinstance(client, httpx.AsyncClient):
-        return AsyncGuardTransport
+        return AsyncGuardTransport, httpx_internals
     if isinstance(client, httpx.Client):
-        return GuardTransport
+        return GuardTransport, httpx_internals
     if type(client).__module__.partition(".")[0] == "httpx2":
         # Imported only for an httpx2 client, so that llama_guard never needs httpx2 otherwise.
         import httpx2
 
+        from .._httpx2 import internals as httpx2_internals
         from ..httpx2 import AsyncGuardTransport as AsyncGuardTransport2
         from ..httpx2 import GuardTransport as GuardTransport2
 
         if isinstance(client, httpx2.AsyncClient):
-            return AsyncGuardTransport2
+            return AsyncGuardTransport2, httpx2_internals
         if isinstance(client, httpx2.Client):
-            return GuardTransport2
+            return GuardTransport2, httpx2_internals
     raise TypeError(
         f"guard() takes an httpx.Client or httpx.AsyncClient (or their httpx2 twins); got {type(client).__name__}"
     )

@@ -123,20 +123,19 @@ def _build_guard(instance: Any, target: _Target, original: Callable[..., Any], o
     guard_class = getattr(importlib.import_module(module_name), class_name)
     base = getattr(importlib.import_module(target.module), target.base)
     inner = _unpatched_class(base)(instance, original)
-    guard = guard_class(inner, policy=owner._guard_policy)
     # One account and one set of learnt origins for the whole process (the guard's own would be per transport).
-    guard.stats = owner.stats
-    guard._origins = owner._registry
-    return guard
+    return guard_class(inner, policy=owner._guard_policy, stats=owner.stats, origins=owner._registry)
 
 
 _UNPATCHED_CLASSES: dict[type, type] = {}
+_INTERNALS = {"httpx": "llama_guard._httpx.internals", "httpx2": "llama_guard._httpx2.internals"}
 
 
 def _unpatched_class(base: type) -> type:
     """A transport (of ``base``'s library and kind) that is one instance with its original, unwrapped method."""
     cls = _UNPATCHED_CLASSES.get(base)
     if cls is None:
+        hookable_pool = importlib.import_module(_INTERNALS[base.__module__.partition(".")[0]]).hookable_pool
 
         def __init__(self: Any, instance: Any, original: Callable[..., Any]) -> None:
             # Weak: the per-instance guard lives in a WeakKeyDictionary keyed by the instance, which a strong
@@ -155,8 +154,8 @@ def _unpatched_class(base: type) -> type:
             return instance
 
         def pool(self: Any) -> Any:
-            # So that the guard's pool fixes (keep-alive expiry, httpcore 1.x race) reach the real pool.
-            return getattr(self._live_instance(), "_pool", None)
+            # So that the guard's hooks and pool fixes (internals.py) reach the instance's real pool.
+            return hookable_pool(self._live_instance())
 
         namespace = {
             "__init__": __init__,
