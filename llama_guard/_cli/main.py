@@ -64,7 +64,7 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     return demo
 
 
-def _run_demo(args: argparse.Namespace) -> int:
+def _command_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(requests=args.requests, clients=args.clients, seconds=args.seconds)
@@ -119,7 +119,7 @@ llama-server, timeout).""",
     return doctor
 
 
-def _run_doctor(args: argparse.Namespace) -> int:
+def _command_doctor(args: argparse.Namespace) -> int:
     from .doctor.command import DoctorOptions, run_doctor
 
     options = DoctorOptions(
@@ -170,7 +170,7 @@ exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /
     return watch
 
 
-def _run_watch(args: argparse.Namespace) -> int:
+def _command_watch(args: argparse.Namespace) -> int:
     from .watch.command import WatchOptions, run_watch
 
     options = WatchOptions(
@@ -207,17 +207,17 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> a
     return run
 
 
-def _run_run(args: argparse.Namespace) -> int:
-    from .run import run
+def _command_run(args: argparse.Namespace) -> int:
+    from .launch import exec_guarded
 
-    return run(args.program, origins=args.origins)
+    return exec_guarded(args.program, origins=args.origins)
 
 
 COMMANDS: dict[str, tuple[Adder, Runner]] = {
-    "demo": (_add_demo, _run_demo),
-    "doctor": (_add_doctor, _run_doctor),
-    "watch": (_add_watch, _run_watch),
-    "run": (_add_run, _run_run),
+    "demo": (_add_demo, _command_demo),
+    "doctor": (_add_doctor, _command_doctor),
+    "watch": (_add_watch, _command_watch),
+    "run": (_add_run, _command_run),
 }
 
 

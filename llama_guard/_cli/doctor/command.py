@@ -52,7 +52,7 @@ def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     try:
-        return _run(options, out, err)
+        return _diagnose(options, out, err)
     except DoctorError as exc:
         message = str(exc)
     except KeyboardInterrupt:
@@ -65,7 +65,7 @@ def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO
     return 2
 
 
-def _run(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
+def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     target = parse_target(options.url)
     if options.report is not None:
         check_report_path(options.report)

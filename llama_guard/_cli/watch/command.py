@@ -153,7 +153,7 @@ def run_watch(options: WatchOptions, *, out: TextIO | None = None, err: TextIO |
     out = out if out is not None else sys.stdout
     err = err if err is not None else sys.stderr
     try:
-        return _run(options, out, err)
+        return _watch_servers(options, out, err)
     except WatchError as exc:
         if options.json:
             print(json.dumps({"error": str(exc), "exit_code": 2}), file=out)
@@ -161,7 +161,7 @@ def run_watch(options: WatchOptions, *, out: TextIO | None = None, err: TextIO |
         return 2
 
 
-def _run(options: WatchOptions, out: TextIO, err: TextIO) -> int:
+def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
     check_proc(options.proc)
     cpus = os.cpu_count() or 1
     sockets = read_sockets(options.proc)

@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from .._install.environment import BOOTSTRAP_DIRECTORY, ORIGINS_VARIABLE, origins_from_text
 from .._install.patching import _normalise_install_origins
 
-__all__ = ["run"]
+__all__ = ["exec_guarded"]
 
 COMMAND_NOT_FOUND = 127  # the shell's status for a command that cannot be found
 
 
-def run(command: Sequence[str], *, origins: str | None, environ: Mapping[str, str] | None = None) -> int:
+def exec_guarded(command: Sequence[str], *, origins: str | None, environ: Mapping[str, str] | None = None) -> int:
     """Exec ``command`` with the guard's environment; returns only on error (status 2, or 127 if not found)."""
     environ = os.environ if environ is None else environ
     command = list(command)
