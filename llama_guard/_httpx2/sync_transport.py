@@ -149,7 +149,7 @@ class GuardTransport(httpx.BaseTransport):
         # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
         # (FirstAttempt). Most requests are answered here, on a pooled connection.
         first = FirstAttempt(self.stats, self._probe_connection, request, origin, policy, body, stream, started)
-        user_stream = request.stream
+        user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
         request.stream = first
         try:
             response = self._transport.handle_request(request)
