@@ -13,11 +13,8 @@ EXTENSION = "llama_guard"
 
 
 class GuardResult(NamedTuple):
-    """The guard's account of one request: an immutable value.
-
-    A named tuple rather than a frozen dataclass because one is built for every request: a frozen dataclass sets
-    each field through ``object.__setattr__``, which cost several times the rest of building the result. As any
-    named tuple, it has ``_asdict()`` and ``_replace()``.
+    """The guard's account of one request: an immutable value (a named tuple: built for every request, it is
+    several times cheaper than a frozen dataclass). Has ``_asdict()`` and ``_replace()``.
 
     Attributes:
         attempts: attempts made, the first included (1 when nothing went wrong).
@@ -39,8 +36,7 @@ class GuardResult(NamedTuple):
     history: tuple[str, ...] = ()
 
 
-# A GuardResult from its six fields in order: what GuardResult._make does, without the Python frame of its checks
-# (the guard builds one for every request; the partial is called in C).
+# GuardResult._make without its Python-level checks (built for every request).
 new_result: Callable[[tuple[int, int, float, bool, bool, tuple[str, ...]]], GuardResult] = functools.partial(
     tuple.__new__, GuardResult
 )

@@ -177,8 +177,7 @@ class GuardStats:
 
     def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
         """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
-        went out with ``Connection: close``. One lock for all, as this runs once per request (acquire and release
-        rather than ``with``, which builds two bound methods of the lock each time)."""
+        went out with ``Connection: close``. One lock for all (acquire/release: cheaper than ``with``, per request)."""
         lock = self._lock
         lock.acquire()
         try:
