@@ -35,7 +35,7 @@ from .._core.ownership import is_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
 
-__all__ = ["Installation", "install", "installation", "uninstall"]
+__all__ = ["Installation", "install", "installation", "normalise_install_origins", "uninstall"]
 
 
 class _Target(NamedTuple):
@@ -196,7 +196,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
             "install() takes the origins to guard as its own argument: install(origins=[...]); "
             f"leave the policy's origins at their default (got policy origins {policy.origins!r})"
         )
-    setting = _normalise_install_origins(origins)
+    setting = normalise_install_origins(origins)
     with _STATE_LOCK:
         if _current is not None and _current.origins == setting and _current.policy == policy:
             return _current
@@ -235,7 +235,7 @@ def installation() -> Installation | None:
     return _current
 
 
-def _normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
+def normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
     if origins is None or origins == "auto":
         return "auto"
     if isinstance(origins, str):
