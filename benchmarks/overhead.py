@@ -76,7 +76,7 @@ from _counts import count_table, per_request_counts
 from httpx_retries import Retry, RetryTransport
 
 import llama_guard
-from llama_guard._pool_fix import fix_pool_race
+from llama_guard._httpx.internals import fix_pool_race
 
 PATH = "/v1/chat/completions"
 BODY: dict[str, Any] = {

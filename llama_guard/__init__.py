@@ -7,16 +7,16 @@
 See docs/ for how it works and every setting.
 """
 
-from ._async_transport import AsyncGuardTransport
-from ._exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
-from ._guard import guard
-from ._guard_error import GuardError
-from ._install import Installation, install, uninstall
-from ._origins import Origin
-from ._policy import GuardPolicy
-from ._result import GuardResult
-from ._stats import GuardStats, LatencySummary, StatsSnapshot
-from ._sync_transport import GuardTransport
+from ._core.errors import GuardError
+from ._core.origins import Origin
+from ._core.policy import GuardPolicy
+from ._core.result import GuardResult
+from ._core.stats import GuardStats, LatencySummary, StatsSnapshot
+from ._httpx.async_transport import AsyncGuardTransport
+from ._httpx.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
+from ._httpx.sync_transport import GuardTransport
+from ._install.guard import guard
+from ._install.patching import Installation, install, uninstall
 
 __version__ = "0.1.0"
 

@@ -26,8 +26,8 @@ Rules = tuple[tuple[str, str], ...]
 
 UNASYNC_DOCSTRING: Rules = (
     (
-        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_transport.py`` from it",
-        "This file is generated from ``_async_transport.py`` by ``scripts/unasync.py``",
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_transport.py`` from it",
+        "This file is generated from ``async_transport.py`` by ``scripts/unasync.py``",
     ),
 )
 UNASYNC: Rules = (
@@ -37,7 +37,7 @@ UNASYNC: Rules = (
     (r"\bAsyncGuardTransport\b", "GuardTransport"),
     (r"\b_AsyncDropAfterStream\b", "_SyncDropAfterStream"),
     (r"\b_AsyncTracer\b", "_SyncTracer"),
-    (r"\b_async_network\b", "_sync_network"),
+    (r"\basync_connections\b", "sync_connections"),
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),
     (r"\bhttpx\.AsyncHTTPTransport\b", "httpx.HTTPTransport"),
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),
@@ -53,22 +53,9 @@ UNASYNC: Rules = (
     (r"\baread\b", "read"),
 )
 
-# The httpx2 flavour: the same code with httpx2/httpcore2 imported under the names the source uses, living in
-# llama_guard/httpx2/ and importing the flavour-free (sans-I/O) modules from the parent package.
-SHARED_MODULES = (
-    "_attempt",
-    "_decisions",
-    "_guard_error",
-    "_log",
-    "_origins",
-    "_ownership",
-    "_policy",
-    "_pool_fix",
-    "_probe",
-    "_result",
-    "_sockets",
-    "_stats",
-)
+# The httpx2 flavour: llama_guard/_httpx2/ mirrors llama_guard/_httpx/ file for file, with httpx2/httpcore2 imported
+# under the names the source uses. Modules of _httpx that import no HTTP library are shared, not generated.
+SHARED_MODULES = ("sockets",)
 
 
 def httpx2_rules(source: Path) -> Rules:
@@ -81,16 +68,16 @@ def httpx2_rules(source: Path) -> Rules:
         rules.append((r"^import httpcore$", "import httpcore2 as httpcore"))
     for module in SHARED_MODULES:
         if re.search(rf"^from \.{module} import", text, re.MULTILINE):
-            rules.append((rf"^from \.{module} import", f"from ..{module} import"))
+            rules.append((rf"^from \.{module} import", f"from .._httpx.{module} import"))
     return tuple(rules)
 
 
-# The connection hooks (``_async_network.py``): their own rules, as each rule must apply to its source.
+# The connection hooks (``async_connections.py``): their own rules, as each rule must apply to its source.
 NETWORK_DOCSTRING: Rules = (
     (
-        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_network.py`` from it "
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_connections.py`` from it "
         r"\(and the httpx2\ntwins\), and CI checks that they are current\.",
-        "This file is generated from ``_async_network.py`` by ``scripts/unasync.py``.",
+        "This file is generated from ``async_connections.py`` by ``scripts/unasync.py``.",
     ),
 )
 NETWORK_UNASYNC: Rules = (
@@ -108,8 +95,8 @@ NETWORK_UNASYNC: Rules = (
 
 HTTPX2_DOCSTRING: Rules = (
     (
-        r"This file is the source of truth: ``scripts/unasync.py`` generates ``_sync_transport.py`` from it",
-        "This file is generated for httpx2 from ``llama_guard/_async_transport.py`` by ``scripts/unasync.py``",
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_transport.py`` from it",
+        "This file is generated for httpx2 from ``_httpx/async_transport.py`` by ``scripts/unasync.py``",
     ),
 )
 
@@ -138,32 +125,24 @@ class Job:
         return header + body, unused
 
 
-HTTPX2 = PACKAGE / "httpx2"
+SOURCE = PACKAGE / "_httpx"
+HTTPX2 = PACKAGE / "_httpx2"
+TRANSPORT = SOURCE / "async_transport.py"
+CONNECTIONS = SOURCE / "async_connections.py"
 JOBS: tuple[Job, ...] = (
-    Job(PACKAGE / "_async_transport.py", PACKAGE / "_sync_transport.py", UNASYNC_DOCSTRING + UNASYNC),
+    Job(TRANSPORT, SOURCE / "sync_transport.py", UNASYNC_DOCSTRING + UNASYNC),
+    Job(TRANSPORT, HTTPX2 / "async_transport.py", HTTPX2_DOCSTRING + httpx2_rules(TRANSPORT)),
+    Job(TRANSPORT, HTTPX2 / "sync_transport.py", HTTPX2_DOCSTRING + UNASYNC + httpx2_rules(TRANSPORT)),
+    Job(CONNECTIONS, SOURCE / "sync_connections.py", NETWORK_DOCSTRING + NETWORK_UNASYNC),
+    Job(CONNECTIONS, HTTPX2 / "async_connections.py", NETWORK_DOCSTRING + httpx2_rules(CONNECTIONS)),
     Job(
-        PACKAGE / "_async_transport.py",
-        HTTPX2 / "_async_transport.py",
-        HTTPX2_DOCSTRING + httpx2_rules(PACKAGE / "_async_transport.py"),
+        CONNECTIONS,
+        HTTPX2 / "sync_connections.py",
+        NETWORK_DOCSTRING + NETWORK_UNASYNC + httpx2_rules(CONNECTIONS),
     ),
-    Job(
-        PACKAGE / "_async_transport.py",
-        HTTPX2 / "_sync_transport.py",
-        HTTPX2_DOCSTRING + UNASYNC + httpx2_rules(PACKAGE / "_async_transport.py"),
-    ),
-    Job(PACKAGE / "_async_network.py", PACKAGE / "_sync_network.py", NETWORK_DOCSTRING + NETWORK_UNASYNC),
-    Job(
-        PACKAGE / "_async_network.py",
-        HTTPX2 / "_async_network.py",
-        NETWORK_DOCSTRING + httpx2_rules(PACKAGE / "_async_network.py"),
-    ),
-    Job(
-        PACKAGE / "_async_network.py",
-        HTTPX2 / "_sync_network.py",
-        NETWORK_DOCSTRING + NETWORK_UNASYNC + httpx2_rules(PACKAGE / "_async_network.py"),
-    ),
-    Job(PACKAGE / "_run.py", HTTPX2 / "_run.py", httpx2_rules(PACKAGE / "_run.py")),
-    Job(PACKAGE / "_exceptions.py", HTTPX2 / "_exceptions.py", httpx2_rules(PACKAGE / "_exceptions.py")),
+    Job(SOURCE / "attempts.py", HTTPX2 / "attempts.py", httpx2_rules(SOURCE / "attempts.py")),
+    Job(SOURCE / "exceptions.py", HTTPX2 / "exceptions.py", httpx2_rules(SOURCE / "exceptions.py")),
+    Job(SOURCE / "internals.py", HTTPX2 / "internals.py", httpx2_rules(SOURCE / "internals.py")),
 )
 
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from llama_guard._cli import COMMANDS, main
-from llama_guard._demo import demo_rows, format_table
+from llama_guard._cli.demo import demo_rows, format_table
+from llama_guard._cli.main import COMMANDS, main
 
 
 def test_demo_shows_the_defects_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,9 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from llama_guard._cli import main
-from llama_guard._doctor import DoctorOptions, run_doctor
-from llama_guard._doctor_model import (
+from llama_guard._cli.doctor.command import DoctorOptions, run_doctor
+from llama_guard._cli.doctor.model import (
     AFFECTED,
     COULD_NOT_TELL,
     NOT_AFFECTED,
@@ -31,7 +30,7 @@ from llama_guard._doctor_model import (
     Target,
     parse_target,
 )
-from llama_guard._doctor_verdict import (
+from llama_guard._cli.doctor.verdict import (
     LoadShape,
     exit_code,
     load_evidence,
@@ -39,7 +38,8 @@ from llama_guard._doctor_verdict import (
     pool_finding,
     stream_finding,
 )
-from llama_guard._load import LoadRow
+from llama_guard._cli.load import LoadRow
+from llama_guard._cli.main import main
 from llama_guard.testing import LlamaServerEmulator, free_port
 
 # -- the rules, as tables --------------------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def test_nonstream_verdicts(check, status):
 
 
 def _identity(build):
-    from llama_guard._llama_build import build_number
+    from llama_guard._cli.llama_build import build_number
 
     return Identity("llama.cpp", build, build_number(build), "m", 4)
 
@@ -500,7 +500,7 @@ def test_png_without_matplotlib_says_how_to_get_it(tmp_path):
     # matplotlib absent, as on an install without it: None in sys.modules makes the import machinery say so.
     script = (
         "import sys; sys.modules['matplotlib'] = None\n"
-        "from llama_guard._cli import main\n"
+        "from llama_guard._cli.main import main\n"
         f"sys.exit(main(['doctor', 'http://127.0.0.1:1', '--report', {str(tmp_path / 'r.png')!r}]))\n"
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)

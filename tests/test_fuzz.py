@@ -43,9 +43,9 @@ from hypothesis import strategies as st
 
 import llama_guard
 from llama_guard import GuardPolicy, Origin
-from llama_guard._decisions import parse_retry_after, wants_stream
-from llama_guard._origins import parse_origin
-from llama_guard._policy import per_request_fields
+from llama_guard._core.decisions import parse_retry_after, wants_stream
+from llama_guard._core.origins import parse_origin
+from llama_guard._core.policy import per_request_fields
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 CHAT = "/v1/chat/completions"

@@ -261,7 +261,7 @@ def test_uninstall_restores_the_originals(racy_server: LlamaServerEmulator) -> N
         for cls, name in TARGETS:
             assert cls.__dict__[name] is ORIGINALS[(cls, name)]
         assert "llama_guard" not in client.get("/health").extensions
-    assert llama_guard._install.installation() is None
+    assert llama_guard._install.patching.installation() is None
 
 
 def test_an_explicitly_guarded_client_is_not_guarded_twice(racy_server: LlamaServerEmulator) -> None:
@@ -287,7 +287,7 @@ def test_an_explicitly_guarded_client_is_not_guarded_twice(racy_server: LlamaSer
 def test_bad_arguments_say_what_is_accepted(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         llama_guard.install(**kwargs)
-    assert llama_guard._install.installation() is None
+    assert llama_guard._install.patching.installation() is None
 
 
 def test_a_policy_of_the_wrong_type_is_a_type_error() -> None:

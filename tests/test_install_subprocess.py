@@ -39,7 +39,7 @@ async def main():
 
 import asyncio
 asyncio.run(main())
-import llama_guard._install as installed
+import llama_guard._install.patching as installed
 current = installed.installation()
 print(json.dumps({{"guarded": results, "requests": current.stats.snapshot().requests if current else None}}))
 """
@@ -130,7 +130,7 @@ def test_run_keeps_the_programs_exit_status_and_its_own_sitecustomize(tmp_path: 
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     code = textwrap.dedent(
         """
-        import os, sys, llama_guard._install as installed
+        import os, sys, llama_guard._install.patching as installed
         print(os.environ.get('SITE_RAN'), installed.installation() is not None)
         sys.exit(3)
         """
@@ -158,7 +158,7 @@ def test_run_rejects_bad_input_in_one_line(args: list[str], status: int, message
 
 def test_a_bad_environment_variable_stops_the_child_with_a_clear_message() -> None:
     """Set by hand (not through `run`), a malformed LLAMA_GUARD_ORIGINS must not be silently ignored."""
-    from llama_guard._environment import BOOTSTRAP_DIRECTORY
+    from llama_guard._install.environment import BOOTSTRAP_DIRECTORY
 
     env = {**os.environ, "PYTHONPATH": BOOTSTRAP_DIRECTORY, "LLAMA_GUARD_ORIGINS": "localhost:8080"}
     process = run_python("print('ran')", env=env)

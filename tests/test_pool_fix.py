@@ -15,7 +15,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llama_guard._pool_fix import _assign_requests_to_connections
+from llama_guard._httpx.internals import _assign_requests_to_connections
 
 
 def _reference(self: Any) -> list[Any]:

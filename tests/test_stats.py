@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from llama_guard import GuardStats
-from llama_guard._stats import LatencyHistogram
+from llama_guard._core.stats import LatencyHistogram
 
 
 def test_histogram_percentiles_within_two_percent() -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy, GuardTransport
-from llama_guard._pool_fix import _assign_requests_to_connections, fix_pool_race
+from llama_guard._httpx.internals import _assign_requests_to_connections, fix_pool_race
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import FLAVORS, close_driver, make_driver, run_scenario

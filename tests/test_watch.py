@@ -21,9 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from llama_guard._cli import main
-from llama_guard._llama_build import build_number, has_pool_defect, version_build_info
-from llama_guard._procnet import (
+from llama_guard._cli.llama_build import build_number, has_pool_defect, version_build_info
+from llama_guard._cli.main import main
+from llama_guard._cli.watch.cmdline import Setting, is_llama_server, parse_server_command
+from llama_guard._cli.watch.command import WatchOptions, run_watch
+from llama_guard._cli.watch.proc import read_sockets
+from llama_guard._cli.watch.procnet import (
     CLOSE_WAIT,
     ESTABLISHED,
     LISTEN,
@@ -32,11 +35,8 @@ from llama_guard._procnet import (
     parse_tcp_table,
     socket_inode,
 )
-from llama_guard._watch import WatchOptions, run_watch
-from llama_guard._watch_cmdline import Setting, is_llama_server, parse_server_command
-from llama_guard._watch_proc import read_sockets
-from llama_guard._watch_report import ServerView, assess, event_line
-from llama_guard._watch_stall import ConnectionKey, QueueSample, StallEvent, StallTracker
+from llama_guard._cli.watch.report import ServerView, assess, event_line
+from llama_guard._cli.watch.stall import ConnectionKey, QueueSample, StallEvent, StallTracker
 from llama_guard.testing import open_burst
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: emu\r\n\r\n"

@@ -15,12 +15,12 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("llama_guard.httpx2 needs httpx2: pip install 'llama-guard[httpx2]'") from exc
 
-from .._guard import guard
-from .._guard_error import GuardError
-from .._policy import GuardPolicy
-from ._async_transport import AsyncGuardTransport
-from ._exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
-from ._sync_transport import GuardTransport
+from .._core.errors import GuardError
+from .._core.policy import GuardPolicy
+from .._httpx2.async_transport import AsyncGuardTransport
+from .._httpx2.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
+from .._httpx2.sync_transport import GuardTransport
+from .._install.guard import guard
 
 __all__ = [
     "AsyncGuardTransport",

@@ -15,7 +15,7 @@ import signal
 import threading
 from collections.abc import Sequence
 
-from .._llama_build import FIRST_FIXED_BUILD
+from .._cli.llama_build import FIRST_FIXED_BUILD
 from ._config import STREAM_CLOSE_MODES
 from ._emulator import LlamaServerEmulator
 

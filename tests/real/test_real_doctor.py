@@ -14,8 +14,8 @@ import threading
 
 import pytest
 
-from llama_guard._doctor import DoctorOptions, run_doctor
-from llama_guard._llama_build import has_pool_defect
+from llama_guard._cli.doctor.command import DoctorOptions, run_doctor
+from llama_guard._cli.llama_build import has_pool_defect
 
 from ..test_watch import watcher
 from ._burst import BurstResult, run_burst

@@ -1,0 +1,232 @@
+"""``llama-guard doctor URL``: examine a running llama-server from the client side.
+
+Runs the checks of ``_doctor_checks`` in order (identity, the two keep-alive checks, the pooled load, the optional
+burst), turns them into verdicts (``_doctor_verdict``) and prints them, as text or ``--json``, with progress on
+stderr. Exit status: 0 no defect found, 1 affected, 2 could not run; a problem that stops doctor is one line on
+stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from ..llama_build import has_pool_defect
+from ..load import LoadRow
+from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, identify, keepalive_check, load_check
+from .model import AFFECTED, DoctorError, DoctorRun, Finding, Target, parse_target
+from .report import check_report_path, write_report
+from .verdict import LoadShape, exit_code, findings, load_evidence
+
+__all__ = ["DoctorOptions", "doctor_json", "format_text", "run_doctor"]
+
+_LABELS = {"affected": "AFFECTED", "not_affected": "not affected", "could_not_tell": "could not tell"}
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    url: str
+    #: Requests of the pooled load per client kind; 0 skips the load.
+    requests: int = 100
+    #: Connections of the burst test; 0 skips it.
+    burst: int = 0
+    timeout: float = 10.0
+    max_tokens: int = 4
+    #: The server's API key; None reads ``LLAMA_API_KEY``. Sent as a bearer token, never printed.
+    api_key: str | None = None
+    json: bool = False
+    report: Path | None = None
+    quiet: bool = False
+
+
+def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run doctor; the exit status. Whatever stops it is one line on ``err`` (and a JSON error with ``--json``)."""
+    out = out if out is not None else sys.stdout
+    err = err if err is not None else sys.stderr
+    try:
+        return _diagnose(options, out, err)
+    except DoctorError as exc:
+        message = str(exc)
+    except KeyboardInterrupt:
+        message = "interrupted"
+    except Exception as exc:  # a bug of ours: still one line, as promised, with enough to report it
+        message = f"unexpected error {type(exc).__name__}: {exc} (please report this)"
+    if options.json:
+        print(json.dumps({"url": options.url, "error": message, "exit_code": 2}), file=out)
+    print(f"llama-guard doctor: {message}", file=err)
+    return 2
+
+
+def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
+    target = parse_target(options.url)
+    if options.report is not None:
+        check_report_path(options.report)
+    api_key = options.api_key if options.api_key is not None else os.environ.get("LLAMA_API_KEY") or None
+    run = DoctorRun(target, started=time.monotonic())
+    steps: list[tuple[str, Callable[[], None]]] = []
+
+    def step(title: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+        def add(function: Callable[[], None]) -> Callable[[], None]:
+            steps.append((title, function))
+            return function
+
+        return add
+
+    @step(f"identity: GET /health and GET /props on {target.url}")
+    def _identity() -> None:
+        run.identity = identify(target, options.timeout, api_key)
+
+    @step("a streamed completion on a new connection: does the server close it after the final chunk?")
+    def _stream() -> None:
+        run.stream = keepalive_check(
+            target, stream=True, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key
+        )
+
+    @step("a non-streamed completion, then a second request on the same connection")
+    def _nonstream() -> None:
+        run.nonstream = keepalive_check(
+            target, stream=False, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key
+        )
+
+    if options.requests:
+
+        @step(f"pooled load with plain httpx: {options.requests} requests")
+        def _plain() -> None:
+            run.plain = _load(options, target, api_key, guarded=False)
+
+        @step(f"pooled load with the guard: {options.requests} requests")
+        def _guard() -> None:
+            run.guard = _load(options, target, api_key, guarded=True)
+
+    if options.burst:
+
+        @step(f"burst: {options.burst} connections opened at once, GET /health on each")
+        def _burst() -> None:
+            run.burst = burst_check(target, options.burst, options.timeout)
+
+    for number, (title, function) in enumerate(steps, 1):
+        if not options.quiet:
+            print(f"[{number}/{len(steps)}] {title} ...", file=err, flush=True)
+        function()
+    assert run.identity is not None
+    assert run.stream is not None
+    assert run.nonstream is not None
+    load = load_evidence(run.plain, run.guard, LoadShape(LOAD_WORKERS, LOAD_CONNECTIONS))
+    run.findings = findings(run.identity, run.stream, run.nonstream, run.burst, load)
+    run.seconds = time.monotonic() - run.started
+    code = exit_code(run.findings)
+    if options.report is not None:
+        write_report(run, options.report, code)
+        if not options.quiet:
+            print(f"report written to {options.report}", file=err)
+    if options.json:
+        print(json.dumps(doctor_json(run, code), indent=2), file=out)
+    else:
+        print(format_text(run, code), file=out)
+    return code
+
+
+def _load(options: DoctorOptions, target: Target, api_key: str | None, *, guarded: bool) -> LoadRow:
+    return load_check(
+        target,
+        guarded=guarded,
+        requests=options.requests,
+        timeout=options.timeout,
+        max_tokens=options.max_tokens,
+        api_key=api_key,
+    )
+
+
+def _wrap(text: str, indent: str) -> str:
+    return textwrap.fill(text, width=110, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+def _finding_text(item: Finding) -> list[str]:
+    lines = [f"{_LABELS[item.status]:<15} {item.title}"]
+    lines += [_wrap(f"- {line}", "    ") for line in item.evidence]
+    if item.fix:
+        lines.append(_wrap(f"fix: {item.fix}", "    "))
+    return lines
+
+
+def format_text(run: DoctorRun, code: int) -> str:
+    identity = run.identity
+    lines = [f"llama-guard doctor {run.target.url}"]
+    if identity is not None:
+        build = identity.build_info or "not reported"
+        number = f" = b{identity.build_number}" if identity.build_number is not None else " (build number unknown)"
+        slots = f", {identity.total_slots} slots" if identity.total_slots is not None else ""
+        lines.append(
+            f"server: {identity.server_header or 'no Server header'}, build {build}{number}, "
+            f"model {identity.model or '?'}{slots}"
+        )
+    for item in run.findings:
+        lines += ["", *_finding_text(item)]
+    affected = [item.defect for item in run.findings if item.status == AFFECTED]
+    verdict = f"affected: {', '.join(affected)}" if affected else "no defect found"
+    lines += ["", f"result: {verdict} (exit status {code}; checks took {run.seconds:.1f} s)"]
+    return "\n".join(lines)
+
+
+def _load_json(row: LoadRow | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {
+        "requests": row.requests,
+        "errors": row.errors,
+        "error_kinds": dict(sorted(row.error_kinds.items())),
+        "median_first_byte": round(row.median, 6),
+        "max_first_byte": round(row.maximum, 6),
+    }
+
+
+def doctor_json(run: DoctorRun, code: int) -> dict[str, Any]:
+    """The ``--json`` document (its shape is documented in docs/cli.md)."""
+    identity = run.identity
+    burst = run.burst
+    return {
+        "url": run.target.url,
+        "server": None
+        if identity is None
+        else {
+            **dataclasses.asdict(identity),
+            "build_has_pool_defect": has_pool_defect(identity.build_number),
+        },
+        "findings": [dataclasses.asdict(item) | {"evidence": list(item.evidence)} for item in run.findings],
+        "checks": {
+            "stream": None if run.stream is None else dataclasses.asdict(run.stream),
+            "nonstream": None if run.nonstream is None else dataclasses.asdict(run.nonstream),
+        },
+        "load": None
+        if run.plain is None
+        else {
+            "workers": LOAD_WORKERS,
+            "connections": LOAD_CONNECTIONS,
+            "plain": _load_json(run.plain),
+            "guard": _load_json(run.guard),
+        },
+        "burst": None
+        if burst is None
+        else {
+            "connections": burst.connections,
+            "error": burst.error,
+            "rounds": [
+                {
+                    "window": item.window,
+                    "stalled": item.stalled,
+                    "first_bytes": [None if v is None else round(v, 6) for v in item.first_bytes],
+                }
+                for item in burst.rounds
+            ],
+        },
+        "seconds": round(run.seconds, 3),
+        "exit_code": code,
+    }

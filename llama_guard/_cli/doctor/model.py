@@ -1,0 +1,177 @@
+"""What ``doctor`` measured: plain data, shared by the checks (which fill it), the verdicts and the report."""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..load import LoadRow
+
+__all__ = [
+    "AFFECTED",
+    "COULD_NOT_TELL",
+    "NOT_AFFECTED",
+    "BurstCheck",
+    "BurstRound",
+    "DoctorError",
+    "DoctorRun",
+    "Finding",
+    "Identity",
+    "KeepAliveCheck",
+    "Status",
+    "Target",
+    "parse_target",
+]
+
+Status = Literal["affected", "not_affected", "could_not_tell"]
+AFFECTED: Status = "affected"
+NOT_AFFECTED: Status = "not_affected"
+COULD_NOT_TELL: Status = "could_not_tell"
+
+
+class DoctorError(Exception):
+    """doctor cannot examine this server; the message is one line that says what was wrong (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the server is: ``http://HOST:PORT`` and an optional path prefix (llama-server's ``--api-prefix``,
+    or a reverse proxy's)."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}{self.prefix}"
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def path(self, path: str) -> str:
+        return self.prefix + path
+
+
+def parse_target(url: str) -> Target:
+    """``http://127.0.0.1:8080`` (a bare ``HOST:PORT`` too) -> Target; DoctorError naming what is accepted."""
+    accepted = "expected http://HOST[:PORT][/PREFIX], e.g. http://127.0.0.1:8080"
+    text = url.strip()
+    if "://" not in text:
+        text = "http://" + text
+    try:
+        parts = urllib.parse.urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise DoctorError(f"bad URL {url!r}: {exc}; {accepted}") from None
+    if parts.scheme != "http":
+        raise DoctorError(
+            f"bad URL {url!r}: only http:// is supported (the checks watch llama-server's own plain-HTTP "
+            f"connections; run doctor against the server, not a TLS proxy); {accepted}"
+        )
+    if not parts.hostname:
+        raise DoctorError(f"bad URL {url!r}: no host; {accepted}")
+    if parts.query or parts.fragment or parts.username or parts.password:
+        raise DoctorError(f"bad URL {url!r}: no user, query or fragment allowed; {accepted}")
+    return Target(parts.hostname, port if port is not None else 80, parts.path.rstrip("/"))
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who answered: ``GET /health`` and ``GET /props``."""
+
+    server_header: str | None
+    build_info: str | None
+    build_number: int | None
+    model: str | None
+    total_slots: int | None
+
+
+AfterResponse = Literal["eof", "reset", "open", "data"]
+
+
+@dataclass(frozen=True)
+class KeepAliveCheck:
+    """One completion on a fresh raw connection, and what the connection did after the response."""
+
+    stream: bool
+    #: Why there is no complete response (connect failure, timeout, broken HTTP); None when there is one.
+    error: str | None = None
+    status: int | None = None
+    #: The server's own error message for a non-200 answer (llama-server's ``{"error":{"message":...}}``).
+    server_message: str | None = None
+    connection_header: str | None = None
+    keep_alive_header: str | None = None
+    chunked: bool = False
+    first_byte: float | None = None
+    complete: float | None = None
+    #: After the response: the server closed (``eof``/``reset``), kept it ``open``, or sent more (``data``).
+    after: AfterResponse | None = None
+    #: Seconds from the response's last byte to the close, when it closed.
+    closed_after: float | None = None
+    #: The second request on the same connection, when it stayed open: "answered 200", or why it failed.
+    reuse: str | None = None
+
+    @property
+    def announced_close(self) -> bool:
+        return "close" in (self.connection_header or "").lower()
+
+    @property
+    def answered(self) -> bool:
+        return self.error is None and self.status == 200
+
+
+@dataclass(frozen=True)
+class BurstRound:
+    """``connections`` connections opened at once, then ``GET /health`` on each."""
+
+    #: Seconds to each connection's first byte, in connect order; None: none within ``window``.
+    first_bytes: tuple[float | None, ...]
+    window: float
+
+    @property
+    def stalled(self) -> int:
+        return sum(1 for value in self.first_bytes if value is None)
+
+
+@dataclass(frozen=True)
+class BurstCheck:
+    connections: int
+    rounds: tuple[BurstRound, ...] = ()
+    #: Why the burst could not be made (e.g. connections refused); None when it ran.
+    error: str | None = None
+
+    @property
+    def stalled_round(self) -> BurstRound | None:
+        return next((item for item in self.rounds if item.stalled), None)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The verdict on one defect, why, and what to do about it."""
+
+    defect: str
+    title: str
+    status: Status
+    evidence: tuple[str, ...]
+    fix: str | None
+
+
+@dataclass
+class DoctorRun:
+    """Everything one run of doctor saw and concluded; filled in as the checks go."""
+
+    target: Target
+    started: float
+    identity: Identity | None = None
+    stream: KeepAliveCheck | None = None
+    nonstream: KeepAliveCheck | None = None
+    plain: LoadRow | None = None
+    guard: LoadRow | None = None
+    burst: BurstCheck | None = None
+    findings: list[Finding] = field(default_factory=list)
+    seconds: float = 0.0

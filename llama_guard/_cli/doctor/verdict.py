@@ -1,0 +1,204 @@
+"""From what ``doctor`` measured to a verdict per defect, with the evidence and the fix (no I/O).
+
+Observed behaviour decides where it shows a defect. Where it does not, the build decides: the pool defect is a
+race that a clean burst does not rule out (measured on b11434: about 1 fresh server in 5 showed no stall in 3
+bursts), so a build before b11737 stays affected, a later one is not, and a build that does not know its number
+(``b0-unknown``, made from a source archive) leaves it "could not tell".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..llama_build import FIRST_FIXED_BUILD, has_pool_defect
+from ..load import LoadRow
+from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
+
+__all__ = [
+    "LoadShape",
+    "exit_code",
+    "findings",
+    "load_evidence",
+    "nonstream_finding",
+    "pool_finding",
+    "stream_finding",
+]
+
+STREAM_FIX = (
+    "wrap your client with llama_guard: httpx.Client(transport=llama_guard.GuardTransport()) or "
+    "llama_guard.guard(client); it never reuses a stream's connection and resends what the server never read. "
+    "Without it, send 'Connection: close' with every streamed request"
+)
+NONSTREAM_FIX = (
+    "llama_guard.GuardTransport resends requests that a closing connection lost; a server that closes after "
+    "every response should say 'Connection: close'"
+)
+POOL_FIX = (
+    f"upgrade llama-server to b{FIRST_FIXED_BUILD} or later, or start it with --threads-http above the number of "
+    "connections your clients keep open (the default is max(parallel + 4, CPUs - 1)); on the client side, "
+    "llama_guard.GuardTransport checks every new connection with GET /health and moves unread ones aside"
+)
+
+
+@dataclass(frozen=True)
+class LoadShape:
+    """How the pooled load was made, for its line of evidence."""
+
+    workers: int
+    connections: int
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    return f"{seconds * 1000:.1f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
+
+
+def _failure(check: KeepAliveCheck, what: str) -> str:
+    if check.error is not None:
+        return f"the {what} failed: {check.error}"
+    message = f" ({check.server_message})" if check.server_message else ""
+    return f"the {what} was answered {check.status}{message}, not 200"
+
+
+def _announced(check: KeepAliveCheck) -> str:
+    keep_alive = f"'Keep-Alive: {check.keep_alive_header}'" if check.keep_alive_header else "no Keep-Alive header"
+    return f"{keep_alive} and no 'Connection: close', so a pooled client keeps the connection"
+
+
+def _closed(check: KeepAliveCheck) -> str:
+    how = "reset" if check.after == "reset" else "closed"
+    return f"then the server {how} the connection {_ms(check.closed_after)} after the last byte"
+
+
+def load_evidence(plain: LoadRow | None, guard: LoadRow | None, shape: LoadShape) -> tuple[str, ...]:
+    """The pooled load's line: how many requests each client lost, and how."""
+    if plain is None or guard is None:
+        return ()
+
+    def lost(row: LoadRow) -> str:
+        if row.requests == 0:
+            return "sent nothing"
+        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(row.error_kinds.items()))
+        share = f"{row.errors} of {row.requests} ({100 * row.errors / row.requests:.1f}%)"
+        return f"lost {share}" + (f": {kinds}" if kinds else "")
+
+    race = sum(count for kind, count in plain.error_kinds.items() if "Bad file descriptor" in kind)
+    note = (
+        " ('Bad file descriptor' is not the server: it is httpcore's own race between threads sharing a pool, "
+        "which the guard also fixes)"
+        if race
+        else ""
+    )
+    return (
+        f"pooled load ({shape.workers} threads sharing {shape.connections} connections, every second request "
+        f"streamed): plain httpx {lost(plain)}; the guard {lost(guard)}{note}",
+    )
+
+
+def stream_finding(check: KeepAliveCheck, load: tuple[str, ...] = ()) -> Finding:
+    """Defect 1: a streamed response announces keep-alive, then the server closes the connection."""
+    title = "streamed responses close the connection they announced as kept alive (defect 1)"
+    if not check.answered:
+        return Finding("stream-close", title, COULD_NOT_TELL, (_failure(check, "streamed completion"), *load), None)
+    if check.announced_close:
+        evidence = "a streamed completion was answered with 'Connection: close': pooled clients do not reuse it"
+        return Finding("stream-close", title, NOT_AFFECTED, (evidence, *load), None)
+    head = f"a streamed completion was answered 200{' (chunked)' if check.chunked else ''} with {_announced(check)}"
+    if check.after in ("eof", "reset"):
+        return Finding("stream-close", title, AFFECTED, (f"{head}; {_closed(check)}", *load), STREAM_FIX)
+    if check.after == "open":
+        if check.reuse is not None and check.reuse.startswith("answered"):
+            evidence = f"{head}; the connection stayed open and a second request on it was {check.reuse}"
+            return Finding("stream-close", title, NOT_AFFECTED, (evidence, *load), None)
+        evidence = f"{head}; the connection stayed open a while, but a second request on it failed: {check.reuse}"
+        return Finding("stream-close", title, AFFECTED, (evidence, *load), STREAM_FIX)
+    evidence = f"{head}; then the server sent bytes that belong to no request"
+    return Finding("stream-close", title, COULD_NOT_TELL, (evidence, *load), None)
+
+
+def nonstream_finding(check: KeepAliveCheck) -> Finding:
+    """Non-streamed responses should keep the connection they announce as kept alive (llama-server's do)."""
+    title = "non-streamed responses keep the connection as announced"
+    if not check.answered:
+        return Finding("nonstream-keepalive", title, COULD_NOT_TELL, (_failure(check, "completion"),), None)
+    if check.announced_close:
+        evidence = "a completion was answered with 'Connection: close', and the server closes as it says"
+        return Finding("nonstream-keepalive", title, NOT_AFFECTED, (evidence,), None)
+    head = f"a completion was answered 200 with {_announced(check)}"
+    if check.after in ("eof", "reset"):
+        return Finding("nonstream-keepalive", title, AFFECTED, (f"{head}; {_closed(check)}",), NONSTREAM_FIX)
+    if check.after == "open" and check.reuse is not None and check.reuse.startswith("answered"):
+        evidence = f"{head}; a second request on the same connection was {check.reuse}"
+        return Finding("nonstream-keepalive", title, NOT_AFFECTED, (evidence,), None)
+    if check.after == "open":
+        evidence = f"{head}; a second request on the same connection failed: {check.reuse}"
+        return Finding("nonstream-keepalive", title, AFFECTED, (evidence,), NONSTREAM_FIX)
+    evidence = f"{head}; then the server sent bytes that belong to no request"
+    return Finding("nonstream-keepalive", title, COULD_NOT_TELL, (evidence,), None)
+
+
+def _build_evidence(identity: Identity) -> str:
+    if identity.build_number is None:
+        shown = f"'{identity.build_info}'" if identity.build_info else "not reported"
+        return (
+            f"the build is unknown (GET /props build_info: {shown}; builds made from a source archive say "
+            "'b0-unknown'), so only behaviour can tell"
+        )
+    when = "predates" if has_pool_defect(identity.build_number) else "includes"
+    return f"build b{identity.build_number} {when} the thread-pool fix of b{FIRST_FIXED_BUILD}"
+
+
+def pool_finding(identity: Identity, burst: BurstCheck | None) -> Finding:
+    """Defect 2: a burst of new keep-alive connections leaves some first requests unread (builds < b11737)."""
+    title = f"a new connection's first request is left unread (defect 2, builds before b{FIRST_FIXED_BUILD})"
+    build = _build_evidence(identity)
+    defect = has_pool_defect(identity.build_number)
+    if burst is not None and burst.error is None and burst.rounds:
+        stalled = burst.stalled_round
+        if stalled is not None:
+            answered = [value for value in stalled.first_bytes if value is not None]
+            others = f"; the other {len(answered)} answered within {_ms(max(answered))}" if answered else ""
+            evidence = (
+                f"{stalled.stalled} of {burst.connections} connections opened at once got no answer to GET /health "
+                f"within {stalled.window:g} s{others}"
+            )
+            return Finding("unread-first-request", title, AFFECTED, (evidence, build), POOL_FIX)
+        slowest = max((value for item in burst.rounds for value in item.first_bytes if value is not None), default=0)
+        clean = (
+            f"all {burst.connections} connections of {len(burst.rounds)} burst(s) answered GET /health "
+            f"(slowest first byte {_ms(slowest)})"
+        )
+        if defect is False:
+            return Finding("unread-first-request", title, NOT_AFFECTED, (build, clean), None)
+        race = (
+            f"{clean}; but the defect is a race, and a clean burst does not rule it out (about 1 fresh b11434 "
+            "server in 5 showed no stall in 3 bursts)"
+        )
+        if defect is None:
+            hint = f"if this llama.cpp is older than b{FIRST_FIXED_BUILD}, assume it is affected"
+            return Finding("unread-first-request", title, COULD_NOT_TELL, (race, build, hint), POOL_FIX)
+        return Finding("unread-first-request", title, AFFECTED, (build, race), POOL_FIX)
+    tried = (f"the burst test could not run: {burst.error}",) if burst is not None and burst.error else ()
+    if defect is None:
+        hint = "run doctor with --burst 32 to test the behaviour (it opens 32 connections at once)"
+        return Finding("unread-first-request", title, COULD_NOT_TELL, (*tried, build, hint), POOL_FIX)
+    if defect:
+        hint = "run doctor with --burst 32 to see it happen"
+        return Finding("unread-first-request", title, AFFECTED, (*tried, build, hint), POOL_FIX)
+    return Finding("unread-first-request", title, NOT_AFFECTED, (*tried, build), None)
+
+
+def findings(
+    identity: Identity,
+    stream: KeepAliveCheck,
+    nonstream: KeepAliveCheck,
+    burst: BurstCheck | None,
+    load: tuple[str, ...] = (),
+) -> list[Finding]:
+    return [stream_finding(stream, load), nonstream_finding(nonstream), pool_finding(identity, burst)]
+
+
+def exit_code(found: list[Finding]) -> int:
+    """0: no defect found; 1: affected by at least one (could-not-tell alone is 0: nothing was found)."""
+    return 1 if any(item.status == AFFECTED for item in found) else 0

@@ -1,0 +1,244 @@
+"""The ``llama-guard`` command (also ``python -m llama_guard``).
+
+Each subcommand is a pair: a function that adds its parser, and a function that runs it from the parsed
+arguments and returns the exit status. To add one, write the pair and list it in ``COMMANDS``. The commands'
+modules are imported only when they run, so ``llama-guard --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], argparse.ArgumentParser]
+Runner = Callable[[argparse.Namespace], int]
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535; got {text}")
+    return value
+
+
+# -- demo -------------------------------------------------------------------------------------------------------
+
+
+def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    demo = commands.add_parser(
+        "demo",
+        help="show both llama-server defects and the guard's fix on the built-in emulator (no server needed)",
+        description="Runs a proxy-like load and a connection burst against the built-in llama-server emulator, "
+        "with plain httpx and with the guard, and prints a table. Exit status 0 when the guard lost nothing.",
+    )
+    demo.add_argument("--requests", type=_positive_int, default=600, help="requests in the proxy-like load (600)")
+    demo.add_argument("--clients", type=_positive_int, default=32, help="connections in the burst (32)")
+    demo.add_argument("--seconds", type=_positive_float, default=5.0, help="length of each burst run (5)")
+    demo.add_argument("-v", "--verbose", action="store_true", help="show the guard's warnings as it recovers")
+    return demo
+
+
+def _command_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(requests=args.requests, clients=args.clients, seconds=args.seconds)
+
+
+# -- doctor -----------------------------------------------------------------------------------------------------
+
+
+def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    doctor = commands.add_parser(
+        "doctor",
+        help="examine a running llama-server from the client side: which defects it has, and the fix",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Examines a running llama-server over HTTP and says, for each defect, affected / not affected / could not tell,
+with the evidence and the fix:
+  - its identity and build (GET /props);
+  - whether a streamed response announces keep-alive yet closes the connection after the final chunk;
+  - whether a non-streamed response keeps the connection as announced;
+  - a short pooled load with plain httpx and with the guard (--requests each; 0 skips it);
+  - with --burst N: N connections opened at once, to see whether their first requests are left unread
+    (the thread-pool defect of builds before b11737). Off by default: it loads the server.
+It runs a few tiny completions (--max-tokens tokens each) on the server.
+
+exit status: 0 no defect found, 1 affected by a defect, 2 could not run (bad URL, unreachable, not a
+llama-server, timeout).""",
+    )
+    doctor.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080 (a path is a prefix)")
+    doctor.add_argument(
+        "--requests", type=_count, default=100, help="requests of the pooled load, per client kind (100; 0: skip)"
+    )
+    doctor.add_argument(
+        "--burst", type=_count, default=0, metavar="N", help="also open N connections at once (e.g. 32; off: 0)"
+    )
+    doctor.add_argument(
+        "--timeout", type=_positive_float, default=10.0, help="seconds to wait for a connection or an answer (10)"
+    )
+    doctor.add_argument("--max-tokens", type=_positive_int, default=4, help="tokens per test completion (4)")
+    doctor.add_argument(
+        "--api-key", default=None, help="the server's --api-key, if it has one (default: $LLAMA_API_KEY)"
+    )
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON on stdout")
+    doctor.add_argument(
+        "--report",
+        type=Path,
+        metavar="FILE",
+        help="also write a report with the first-byte latency of every connection: FILE.html, or FILE.png "
+        "(needs matplotlib)",
+    )
+    doctor.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    doctor.add_argument("-v", "--verbose", action="store_true", help="show the guard's warnings during the load")
+    return doctor
+
+
+def _command_doctor(args: argparse.Namespace) -> int:
+    from .doctor.command import DoctorOptions, run_doctor
+
+    options = DoctorOptions(
+        url=args.url,
+        requests=args.requests,
+        burst=args.burst,
+        timeout=args.timeout,
+        max_tokens=args.max_tokens,
+        api_key=args.api_key,
+        json=args.json,
+        report=args.report,
+        quiet=args.quiet,
+    )
+    return run_doctor(options)
+
+
+# -- watch ------------------------------------------------------------------------------------------------------
+
+
+def _add_watch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    watch = commands.add_parser(
+        "watch",
+        help="on the server's host: find llama-servers, flag the pool defect's risk, catch stalled connections",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="""\
+Runs on the server's own host (Linux; reads /proc, needs no ss). Finds running llama-server processes (or the
+ones named by --pid / --port), reads their --threads-http, --parallel and port, counts their established client
+connections, and flags a build before b11737 holding more connections than its base HTTP threads (default
+max(parallel + 4, CPUs - 1)). With --watch SECONDS it samples the servers' sockets every second and reports
+every connection whose request sits unread (Recv-Q > 0) for --stall-seconds:
+  STALLED 127.0.0.1:8080<-127.0.0.1:54264: request unread for 5 s
+
+exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /proc unreadable, no server).""",
+    )
+    watch.add_argument("--pid", type=_positive_int, action="append", default=[], help="watch this process")
+    watch.add_argument("--port", type=_port, action="append", default=[], help="watch the server on this port")
+    watch.add_argument(
+        "--watch", type=_positive_float, default=None, metavar="SECONDS", help="sample the sockets for SECONDS"
+    )
+    watch.add_argument(
+        "--stall-seconds",
+        type=_positive_float,
+        default=5.0,
+        help="how long a request must sit unread to count as stalled (5)",
+    )
+    watch.add_argument("--interval", type=_positive_float, default=1.0, help=argparse.SUPPRESS)
+    watch.add_argument("--json", action="store_true", help="print the findings as JSON on stdout")
+    return watch
+
+
+def _command_watch(args: argparse.Namespace) -> int:
+    from .watch.command import WatchOptions, run_watch
+
+    options = WatchOptions(
+        pids=tuple(args.pid),
+        ports=tuple(args.port),
+        seconds=args.watch,
+        stall_seconds=args.stall_seconds,
+        interval=args.interval,
+        json=args.json,
+    )
+    return run_watch(options)
+
+
+#: name -> (add the parser, run it). Insertion order is the order of ``--help``.
+# -- run --------------------------------------------------------------------------------------------------------
+
+
+def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    run = commands.add_parser(
+        "run",
+        help="run a program with every httpx/httpx2 client in it guarded (no code change)",
+        description="Runs COMMAND with llama_guard.install() active in its Python processes (through PYTHONPATH). "
+        "Origins come from --origins, else from $LLAMA_GUARD_ORIGINS, else 'auto' (servers that identify as "
+        "llama.cpp). The command replaces this process: its exit status is the command's. "
+        "Example: llama-guard run --origins http://127.0.0.1:8080 -- python app.py",
+    )
+    run.add_argument(
+        "--origins",
+        metavar="ORIGINS",
+        help="'auto' or comma-separated origins such as http://127.0.0.1:8080 (default: $LLAMA_GUARD_ORIGINS, "
+        "else auto)",
+    )
+    run.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the program to run")
+    return run
+
+
+def _command_run(args: argparse.Namespace) -> int:
+    from .launch import exec_guarded
+
+    return exec_guarded(args.program, origins=args.origins)
+
+
+COMMANDS: dict[str, tuple[Adder, Runner]] = {
+    "demo": (_add_demo, _command_demo),
+    "doctor": (_add_doctor, _command_doctor),
+    "watch": (_add_watch, _command_watch),
+    "run": (_add_run, _command_run),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llama-guard",
+        description="Make pooled httpx clients safe against llama.cpp's llama-server.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add, _ in COMMANDS.values():
+        add(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.WARNING if verbose else logging.ERROR, format="%(message)s")
+    _, run = COMMANDS[args.command]
+    return run(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The guard's decisions, free of I/O: is this a llama stream, how far did an attempt get, may it be retried.
+
+Transports feed facts in (method, path, body bytes, trace event names, the kind of failure, status and headers)
+and act on the answers. Everything here is tested as tables of cases in ``tests/test_decisions.py``.
+
+Retry rules, by how far the attempt got (urllib3's and Go net/http's reasoning):
+
+- Nothing written yet (no connection, connect failed, or the probe refused the connection): always safe.
+- Request written (partly or whole), no response headers: the server may have received it. Retried for
+  idempotent methods, for llama-server's inference endpoints (they have no side effects: a repeat costs compute,
+  never state), and for other requests only with ``retry_non_idempotent``. A body that cannot be replayed (a
+  generator) is never sent twice.
+- Response headers arrived: never, except 503 (llama-server loading a model) and 429 with ``Retry-After``, for
+  requests that may be retried.
+- The caller's own deadlines (pool timeout, httpx read timeout) are the caller's decision to give up: not retried.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
+from typing import Final, NamedTuple
+
+from .stream_detection import wants_stream
+
+__all__ = [
+    "FailureKind",
+    "Progress",
+    "ProgressTracker",
+    "RequestKind",
+    "Verdict",
+    "classify_request",
+    "is_inference_path",
+    "is_streaming_response",
+    "parse_retry_after",
+    "verdict_for_failure",
+    "verdict_for_status",
+    "wants_stream",
+]
+
+IDEMPOTENT_METHODS: Final = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
+
+# llama-server's inference endpoints (tools/server/server.cpp): computing them changes no server state, so a
+# repeat is only wasted compute. Matched as path suffixes so a reverse-proxy prefix ("/llm/v1/...") still counts.
+_INFERENCE_PATHS: Final = (
+    "/completion",
+    "/completions",
+    "/v1/completions",
+    "/chat/completions",
+    "/v1/chat/completions",
+    "/infill",
+    "/embedding",
+    "/embeddings",
+    "/v1/embeddings",
+    "/rerank",
+    "/reranking",
+    "/v1/rerank",
+    "/v1/reranking",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/responses",
+)
+_INFERENCE_RE: Final = re.compile("(?:" + "|".join(re.escape(p) for p in _INFERENCE_PATHS) + ")/?$")
+
+
+_INFERENCE_CACHE: dict[str, bool] = {}
+_INFERENCE_CACHE_SIZE: Final = 1024  # an application uses a handful of paths; bounded for one that uses many
+
+
+def is_inference_path(path: str) -> bool:
+    """True for llama-server endpoints that only compute (completions, embeddings, tokenize, ...)."""
+    # Asked for every request, and applications use few paths: remember the answers (a dict lookup instead of a
+    # lower-casing and a regular expression search).
+    known = _INFERENCE_CACHE.get(path)
+    if known is None:
+        known = _INFERENCE_RE.search(path.lower()) is not None
+        if len(_INFERENCE_CACHE) < _INFERENCE_CACHE_SIZE:
+            _INFERENCE_CACHE[path] = known
+    return known
+
+
+def is_streaming_response(headers: Mapping[str, str]) -> bool:
+    """A response llama-server writes through a chunked content provider: it closes the connection after it.
+
+    ``headers``: case-insensitive (httpx's). The transports use a faster equivalent on tested httpx versions
+    (``_httpx/internals.py``)."""
+    return "chunked" in headers.get("transfer-encoding", "").lower() or headers.get(
+        "content-type", ""
+    ).lower().startswith("text/event-stream")
+
+
+class RequestKind(NamedTuple):
+    """What the guard needs to know about one request, decided once before its first attempt (a named tuple:
+    built for every request, and cheaper than a frozen dataclass)."""
+
+    method: str
+    idempotent: bool
+    inference: bool
+    stream: bool
+    replayable: bool
+
+    def may_resend(self, *, retry_non_idempotent: bool) -> bool:
+        """Whether the request may be sent again after it may have reached the server."""
+        return self.replayable and (self.idempotent or self.inference or retry_non_idempotent)
+
+
+def classify_request(method: str, path: str, body: bytes | None) -> RequestKind:
+    """Classify a request; ``body`` is None when it is a one-shot stream that cannot be read in advance."""
+    method = method.upper()
+    return RequestKind(
+        method=method,
+        idempotent=method in IDEMPOTENT_METHODS,
+        inference=is_inference_path(path),
+        stream=body is not None and method == "POST" and wants_stream(body),
+        replayable=body is not None,
+    )
+
+
+class Progress(enum.IntEnum):
+    """How far an attempt got, from httpcore's trace events."""
+
+    NOTHING = 0  # waiting for the pool or connecting: nothing of the request exists on any wire
+    CONNECTED = 1  # a new connection is up (and, with the probe, proven read by the server); nothing written
+    WRITING = 2  # request headers or body being written: the server may have part or all of it
+    WRITTEN = 3  # the whole request is written; waiting for response headers
+    HEADERS = 4  # response headers arrived
+
+
+def _steps() -> dict[str, Progress | str]:
+    """httpcore trace event names ("<module>.<step>.<phase>") -> what each says about an attempt."""
+    steps: dict[str, Progress | str] = {
+        "connection.connect_tcp.started": "connect",
+        "connection.connect_unix_socket.started": "connect",
+        "connection.connect_tcp.complete": Progress.CONNECTED,
+        "connection.connect_unix_socket.complete": Progress.CONNECTED,
+    }
+    for module in ("http11", "http2"):
+        steps[f"{module}.send_request_headers.started"] = Progress.WRITING
+        steps[f"{module}.send_request_body.started"] = "body"
+        steps[f"{module}.send_request_body.complete"] = Progress.WRITTEN
+        steps[f"{module}.receive_response_headers.complete"] = Progress.HEADERS
+    return steps
+
+
+_STEPS: Final = _steps()
+
+
+class ProgressTracker:
+    """How far one attempt got, for the retry decision when it fails.
+
+    Fed one of two ways:
+
+    - ``hooked=True``: by the guard's hooks on the pool's network backend (``_async_network.py``), which see each
+      new connection (`connecting`, then `connected` once it is up and probed) and nothing else: they cost
+      nothing on a pooled connection. A failure on a connection that was up is then taken as "request written":
+      httpcore writes as soon as it holds a connection, and nothing but the write and the read can fail after
+      that. This tells "nothing sent" only where it matters (connect and probe failures) and errs on the side of
+      "may have reached the server" everywhere else.
+    - otherwise: from httpcore's trace event names (`observe`), for a wrapped transport whose pool the guard
+      cannot reach.
+    """
+
+    __slots__ = ("body_started", "hooked", "new_connection", "progress", "saw_events")
+
+    def __init__(self, *, hooked: bool = False) -> None:
+        self.progress = Progress.NOTHING
+        self.new_connection = False
+        self.body_started = False
+        self.saw_events = False
+        self.hooked = hooked
+
+    @property
+    def reused_connection(self) -> bool:
+        """The request went out on a pooled connection (no connect happened during this attempt)."""
+        if self.hooked:
+            return not self.new_connection
+        return self.progress >= Progress.WRITING and not self.new_connection
+
+    def connecting(self) -> None:
+        self.saw_events = True
+        self.new_connection = True
+
+    def connected(self) -> None:
+        """The new connection is up, and probed when the probe is on: nothing of the request is written yet."""
+        self.progress = max(self.progress, Progress.CONNECTED)
+
+    def observe(self, event: str) -> None:
+        self.saw_events = True
+        step = _STEPS.get(event)
+        if step is None:
+            return
+        if isinstance(step, Progress):
+            self.progress = max(self.progress, step)
+        elif step == "connect":
+            self.new_connection = True
+        else:
+            self.body_started = True
+
+    def effective_progress(self) -> Progress:
+        """Progress for retry decisions, assuming the worst where it is not known: the request was written."""
+        if self.hooked:
+            # Only a connect or a probe that failed is known to have sent nothing.
+            connect_failed = self.new_connection and self.progress is Progress.NOTHING
+            return Progress.NOTHING if connect_failed else Progress.WRITTEN
+        return self.progress if self.saw_events else Progress.WRITTEN
+
+
+class FailureKind(enum.Enum):
+    """An attempt's failure, in the guard's terms (the transport maps exception classes to these)."""
+
+    CONNECT = "connect"  # could not connect: nothing was sent
+    PROBE = "probe"  # the new connection did not answer the probe: nothing real was sent
+    NETWORK = "network"  # read/write error, peer closed or reset, protocol error from the peer
+    FIRST_BYTE_TIMEOUT = "first-byte timeout"  # the guard's deadline for response headers expired
+    CALLER_TIMEOUT = "caller timeout"  # the caller's own pool or read timeout: the caller chose to stop waiting
+    LOCAL = "local"  # our side is wrong (bad URL, unsupported protocol, local protocol error): repeating fails too
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether to retry, why (for logs, stats and error messages), and whether to back off first."""
+
+    retry: bool
+    reason: str
+    backoff: bool = True
+    delay: float | None = None  # an explicit delay (Retry-After) that replaces the backoff
+    # A stalled connection (probe or first-byte deadline): the reconnects of connections that stalled together must
+    # be spread over a wide random window, or they reach the server as a new burst and stall again.
+    stall: bool = False
+    status: bool = False  # a retried 503/429 response (rather than a failed connection)
+
+
+def verdict_for_failure(
+    kind: FailureKind,
+    *,
+    progress: Progress,
+    reused_connection: bool,
+    body_started: bool,
+    request: RequestKind,
+    retry_non_idempotent: bool,
+) -> Verdict:
+    """May an attempt that failed with ``kind`` after getting as far as ``progress`` be tried again?"""
+    if kind is FailureKind.LOCAL:
+        return Verdict(False, "the request cannot be sent as it is; repeating it would fail the same way")
+    if kind is FailureKind.CALLER_TIMEOUT:
+        return Verdict(False, "the caller's own timeout expired")
+    if progress >= Progress.HEADERS:
+        return Verdict(False, "the response had already begun")
+    if kind in (FailureKind.CONNECT, FailureKind.PROBE) or progress <= Progress.CONNECTED:
+        if body_started and not request.replayable:
+            return Verdict(False, "the request body was a one-shot stream and has been consumed")
+        if kind is FailureKind.PROBE:
+            return Verdict(True, "the new connection failed its probe (nothing real was sent)", stall=True)
+        return Verdict(True, "nothing was sent yet")
+    if not request.replayable:
+        return Verdict(False, "the request body was a one-shot stream and cannot be sent twice")
+    if not request.may_resend(retry_non_idempotent=retry_non_idempotent):
+        return Verdict(
+            False,
+            f"{request.method} to a non-inference endpoint may have reached the server "
+            "(set retry_non_idempotent=True to retry it anyway)",
+        )
+    if kind is FailureKind.FIRST_BYTE_TIMEOUT:
+        return Verdict(True, "no response headers within first_byte_timeout (stalled connection)", stall=True)
+    if reused_connection:
+        # The keep-alive race: the pool handed out a connection the server had already closed.
+        return Verdict(True, "the pooled connection was dead", backoff=False)
+    return Verdict(True, "the connection failed before the response")
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or HTTP date); None if absent or malformed."""
+    if value is None:
+        return None
+    value = value.strip()
+    if value.isascii() and value.isdigit():  # isdigit() alone also takes "²", which float() refuses
+        return float(value)
+    try:
+        when = parsedate_to_datetime(value)
+        if when.tzinfo is None:
+            return None
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    except (TypeError, ValueError, IndexError, OverflowError):  # email.utils overflows on absurd zone offsets
+        return None
+
+
+def verdict_for_status(
+    status: int,
+    headers: Mapping[str, str],
+    *,
+    request: RequestKind,
+    retry_non_idempotent: bool,
+    max_retry_after: float,
+) -> Verdict | None:
+    """For a response with headers: None to deliver it, or a `Verdict` for 503 and 429."""
+    if status not in (429, 503):
+        return None
+    retry_after = parse_retry_after(headers.get("retry-after"))
+    if status == 429 and retry_after is None:
+        return Verdict(False, "429 without Retry-After: the server did not say when to come back")
+    if not request.may_resend(retry_non_idempotent=retry_non_idempotent):
+        return Verdict(False, f"{status} for a request that may not be sent twice")
+    if retry_after is not None and retry_after > max_retry_after:
+        return Verdict(False, f"Retry-After {retry_after:g} s is longer than max_retry_after {max_retry_after:g} s")
+    reason = "server loading or overloaded (503)" if status == 503 else "rate limited (429)"
+    return Verdict(True, reason, delay=retry_after, status=True)

@@ -1,0 +1,184 @@
+"""`GuardPolicy`: the guard's configuration, an immutable and validated value.
+
+A policy is shared freely between transports, threads and tasks: it is a frozen dataclass, every field is
+keyword-only, and `__post_init__` rejects a bad value with a `ValueError` that names the field and says what is
+accepted. Per-request overrides produce a new policy (`policy.merged(...)`), never a change in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+from .origins import Origin, parse_origin
+
+__all__ = ["GuardPolicy", "OriginsSetting", "StreamMode"]
+
+StreamMode: TypeAlias = Literal["close", "drop", "off"]
+OriginsSetting: TypeAlias = Literal["all", "auto"] | tuple[Origin, ...]
+
+_STREAM_MODES: tuple[str, ...] = ("close", "drop", "off")
+# Fields that describe the transport as a whole; a single request cannot change which servers are llama-server.
+_TRANSPORT_WIDE = frozenset({"origins"})
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bool) -> None:
+    """Reject anything but a finite, non-negative number of seconds (and None where that means 'no limit')."""
+    if value is None and allow_none:
+        return
+    accepted = "a number of seconds " + (">= 0" if allow_zero else "> 0")
+    if allow_none:
+        accepted += ", or None for no limit"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be {accepted}; got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond a float's range
+        raise ValueError(f"{name} must be {accepted}; got a number too large for seconds") from None
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ValueError(f"{name} must be {accepted}; got {value!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be a whole number from {minimum} to {maximum}; got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
+def _normalise_origins(value: object) -> OriginsSetting:
+    if value in ("all", "auto"):
+        return value
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(
+            "origins must be 'all' (every origin this transport serves is llama-server), 'auto' "
+            "(origins that answered with 'Server: llama.cpp'), or a list of origins such as "
+            f"['http://127.0.0.1:8080']; got {value!r}"
+        )
+    origins = []
+    for item in value:
+        try:
+            origins.append(item if isinstance(item, Origin) else parse_origin(item))
+        except ValueError as exc:
+            raise ValueError(f"origins: {exc}") from None
+    if not origins:
+        raise ValueError("origins must name at least one origin, or be 'all' or 'auto'; got an empty list")
+    return tuple(dict.fromkeys(origins))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
+class GuardPolicy:
+    """How a guarded transport treats llama-server traffic.
+
+    Every field has a default that is safe for any llama-server workload: nothing healthy is cut or sent twice.
+
+    Attributes:
+        origins: which origins are llama-server. ``"all"`` (default): every origin this transport serves, so the
+            very first burst of a new process is protected too. ``"auto"``: origins that have answered with
+            ``Server: llama.cpp``. Or a list of origins (``"http://127.0.0.1:8080"``). Other traffic passes
+            through untouched.
+        stream_mode: ``"close"`` (default) sends ``Connection: close`` on requests whose JSON body asks for
+            ``"stream": true`` and drops the connection of every chunked or event-stream response after its final
+            chunk. ``"drop"`` only drops, leaving requests unmodified. ``"off"`` does neither.
+        first_byte_timeout: seconds an attempt may wait for response headers once the request is written, or
+            None (default) for no limit beyond httpx's own read timeout. On expiry the connection is discarded and
+            the request retried on a fresh connection where the retry rules allow. llama-server sends the headers
+            of a non-streamed completion only when generation ends, so set this above your slowest healthy
+            request; the probe (below) is what catches stalled connections without such a guess.
+        probe: before the first request on every new connection to llama-server, send ``GET /health`` on it and
+            wait for the answer, so a connection the server will not read is replaced before any real request is
+            written to it (default True).
+        probe_timeout: seconds the first probe of a request may wait (default 0.5); each further probe of the same
+            request waits as long again, and each probe after that twice as long, up to ``probe_timeout_max``
+            (0.5, 0.5, 1, 2, 4 s with the defaults).
+        probe_timeout_max: the cap on the probe deadline (default 4.0 seconds).
+        max_attempts: attempts per request, the first included (default 4; 1 disables retries).
+        max_retry_time: no new attempt starts this many seconds after the first began (default 60.0; None for
+            no limit other than ``max_attempts``).
+        backoff: base delay in seconds of the jittered exponential backoff between attempts (default 0.05). A
+            request that found its pooled connection dead is retried at once.
+        backoff_max: the cap on one backoff delay (default 2.0 seconds).
+        max_retry_after: the longest ``Retry-After`` the guard waits out before retrying a 503 or 429 (default
+            30.0 seconds); a longer one returns the response to the caller.
+        retry_non_idempotent: also retry POST/PATCH requests to endpoints other than llama-server's inference
+            endpoints when they may have reached the server (default False).
+    """
+
+    origins: OriginsSetting | Sequence[str | Origin] = "all"
+    stream_mode: StreamMode = "close"
+    first_byte_timeout: float | None = None
+    probe: bool = True
+    probe_timeout: float = 0.5
+    probe_timeout_max: float = 4.0
+    max_attempts: int = 4
+    max_retry_time: float | None = 60.0
+    backoff: float = 0.05
+    backoff_max: float = 2.0
+    max_retry_after: float = 30.0
+    retry_non_idempotent: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "origins", _normalise_origins(self.origins))
+        if self.stream_mode not in _STREAM_MODES:
+            raise ValueError(
+                f"stream_mode must be one of {', '.join(map(repr, _STREAM_MODES))}; got {self.stream_mode!r}"
+            )
+        _check_seconds("first_byte_timeout", self.first_byte_timeout, allow_none=True, allow_zero=False)
+        _check_bool("probe", self.probe)
+        _check_seconds("probe_timeout", self.probe_timeout, allow_none=False, allow_zero=False)
+        _check_seconds("probe_timeout_max", self.probe_timeout_max, allow_none=False, allow_zero=False)
+        if self.probe_timeout_max < self.probe_timeout:
+            raise ValueError(
+                f"probe_timeout_max must be >= probe_timeout ({self.probe_timeout!r}); got {self.probe_timeout_max!r}"
+            )
+        _check_int("max_attempts", self.max_attempts, minimum=1, maximum=100)
+        _check_seconds("max_retry_time", self.max_retry_time, allow_none=True, allow_zero=True)
+        _check_seconds("backoff", self.backoff, allow_none=False, allow_zero=True)
+        _check_seconds("backoff_max", self.backoff_max, allow_none=False, allow_zero=True)
+        _check_seconds("max_retry_after", self.max_retry_after, allow_none=False, allow_zero=True)
+        _check_bool("retry_non_idempotent", self.retry_non_idempotent)
+
+    def __repr__(self) -> str:
+        """Only what differs from the defaults, so a log line shows what was configured."""
+        changed = [
+            f"{field.name}={getattr(self, field.name)!r}"
+            for field in dataclasses.fields(self)
+            if getattr(self, field.name) != field.default
+        ]
+        return f"GuardPolicy({', '.join(changed)})"
+
+    def merged(self, overrides: GuardPolicy | Mapping[str, Any] | None) -> GuardPolicy:
+        """This policy with one request's overrides applied (``request.extensions["llama_guard"]``).
+
+        A mapping names fields to change; a `GuardPolicy` replaces this one (its origins aside). Unknown keys and
+        transport-wide fields raise `ValueError` listing what a request may set.
+        """
+        if overrides is None:
+            return self
+        if isinstance(overrides, GuardPolicy):
+            return dataclasses.replace(overrides, origins=self.origins)
+        if not isinstance(overrides, Mapping):
+            raise ValueError(
+                'request.extensions["llama_guard"] must be a dict of GuardPolicy fields or a GuardPolicy; '
+                f"got {type(overrides).__name__}"
+            )
+        if not overrides:
+            return self
+        allowed = per_request_fields()
+        unknown = sorted(str(key) for key in overrides if key not in allowed)
+        if unknown:
+            raise ValueError(
+                f'request.extensions["llama_guard"] has unknown or transport-wide keys {unknown}; '
+                f"a request may set: {', '.join(sorted(allowed))}"
+            )
+        return dataclasses.replace(self, **overrides)
+
+
+def per_request_fields() -> frozenset[str]:
+    """The policy fields a single request may override."""
+    return frozenset(field.name for field in dataclasses.fields(GuardPolicy)) - _TRANSPORT_WIDE

@@ -1,0 +1,354 @@
+"""One guarded request across its attempts: counting, retry verdicts, the retry schedule, probe deadlines, result.
+
+No HTTP library here: the request is read through the attributes httpx and httpx2 share (``method``, ``url``,
+``headers``, ``extensions``); the flavour's `RequestRun` (``_httpx/attempts.py``) adds what needs httpx: the
+attempt's request and body, and exception classes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import tenacity
+
+from .decisions import (
+    FailureKind,
+    ProgressTracker,
+    RequestKind,
+    Verdict,
+    classify_request,
+    verdict_for_failure,
+    verdict_for_status,
+)
+from .log import describe_request, logger
+from .origins import Origin
+from .policy import GuardPolicy
+from .probe import probe_deadline
+from .result import EXTENSION, GuardResult, new_result
+from .stats import GuardStats
+
+__all__ = [
+    "MAX_RETRIED_ERROR_BODY",
+    "MAX_SOCKET_WAIT",
+    "RETRIED_STATUSES",
+    "Prober",
+    "RequestState",
+]
+
+# A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
+# JSON error, and the response goes to the caller instead.
+MAX_RETRIED_ERROR_BODY = 64 * 1024
+# A sync socket refuses a timeout as large as some valid deadlines (OverflowError): cap what the guard hands it.
+MAX_SOCKET_WAIT = 1e6
+# The statuses a request may be retried on (verdict_for_status decides whether this one is).
+RETRIED_STATUSES = frozenset({429, 503})
+# The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
+STATUS_BACKOFF = 0.5
+
+
+class Prober(Protocol):
+    """A transport's probe of a new connection: ``prober(network_stream, request_state)``; a coroutine function
+    for async transports. Closes the stream and raises if the probe fails."""
+
+    def __call__(self, stream: Any, run: Any, /) -> Any: ...
+
+
+class RequestState:
+    """State of one guarded request across its attempts, including how far its current attempt got.
+
+    Not built for a request that its first attempt answers without help (see ``FirstAttempt``). What only a
+    failure needs (the `RequestKind`, the caller's timeouts, the attempt's progress) is worked out when asked.
+    """
+
+    # Set when first needed, not in __init__: _kind (the `kind` property); tracker and attempt_timeouts.
+    __slots__ = (
+        "_kind",
+        "_origin",
+        "attempt_timeouts",
+        "attempts",
+        "body",
+        "close_connection",
+        "closed_by_header",
+        "deadline_applied",
+        "failed_probes",
+        "first_byte",
+        "history",
+        "policy",
+        "prober",
+        "reconnects",
+        "request",
+        "server_reads_connections",
+        "started",
+        "stats",
+        "stream",
+        "tracker",
+        "user_extensions",
+        "verdict",
+    )
+    _kind: RequestKind
+    tracker: ProgressTracker | None
+    attempt_timeouts: dict[str, float | None]
+
+    def __init__(
+        self,
+        request: Any,
+        origin: Origin | None,
+        policy: GuardPolicy,
+        stats: GuardStats,
+        prober: Prober,
+        *,
+        body: bytes | None,
+        stream: bool,
+        started: float,
+    ) -> None:
+        """``body``: the request's bytes if held in memory; ``stream``: whether it asks for ``"stream": true``;
+        ``started``: when the guard received the request (``time.monotonic()``)."""
+        self.request = request
+        self._origin = origin
+        self.policy = policy
+        self.stats = stats
+        self.prober = prober
+        self.body = body
+        self.stream = stream
+        self.close_connection = stream and policy.stream_mode == "close"
+        self.user_extensions = request.extensions
+        self.started = started
+        self.attempts = 0
+        self.reconnects = 0
+        self.failed_probes = 0
+        self.server_reads_connections = False  # a probe got an HTTP answer: later attempts need no probe
+        self.history: tuple[str, ...] = ()
+        self.verdict: Verdict | None = None
+        self.deadline_applied = False
+        self.first_byte: float | None = None
+        self.closed_by_header = False
+
+    @property
+    def kind(self) -> RequestKind:
+        """Method, idempotency, inference endpoint, stream, replayable body: for retry decisions only."""
+        try:
+            return self._kind
+        except AttributeError:  # the first time: the slot is empty
+            self._kind = classify_request(self.request.method, self.request.url.path, self.body)
+            return self._kind
+
+    @property
+    def origin(self) -> Origin:
+        """Where the request goes (worked out only when needed: with ``origins="all"`` the happy path never is)."""
+        if self._origin is None:
+            self._origin = Origin.of_url(self.request.url)
+        return self._origin
+
+    @property
+    def description(self) -> str:
+        """For logs and error messages."""
+        url = self.request.url
+        return describe_request(self.request.method, url.scheme, url.host, url.port, url.path)
+
+    @property
+    def host_header(self) -> str:
+        host: str = self.request.headers.get("host") or self.request.url.netloc.decode("ascii")
+        return host
+
+    @property
+    def user_timeouts(self) -> dict[str, float | None]:
+        """The caller's own timeouts (httpx's ``timeout`` extension)."""
+        timeouts: dict[str, float | None] = self.user_extensions.get("timeout", {})
+        return timeouts
+
+    @property
+    def may_retry(self) -> bool:
+        """The last attempt failed, or answered 503/429, in a way the rules allow to retry."""
+        return self.verdict is not None and self.verdict.retry
+
+    @property
+    def probing(self) -> bool:
+        """New connections of this request's attempts are to be probed."""
+        return self.policy.probe and not self.server_reads_connections
+
+    # -- the connection hooks report here -------------------------------------------------------------------------
+
+    def probe(self, stream: Any) -> Any:
+        """Probe a new connection of the current attempt (a coroutine for async transports)."""
+        return self.prober(stream, self)
+
+    def connecting(self) -> None:
+        """The current attempt is opening a new connection."""
+        tracker = self.tracker
+        if tracker is None:
+            tracker = self.tracker = ProgressTracker(hooked=True)
+        tracker.connecting()
+
+    def connected(self) -> None:
+        """The new connection is up (and probed, when probing): nothing of the request is written to it yet."""
+        assert self.tracker is not None, "connected() without connecting()"
+        self.tracker.connected()
+
+    # -- an attempt ------------------------------------------------------------------------------------------------
+
+    def attempt_extensions(self, trace: Any) -> dict[str, Any]:
+        """Count a new attempt; the request extensions it goes out with: the caller's own object unless the attempt
+        needs the first-byte deadline or the guard's ``trace`` callback (a transport whose pool is out of reach)."""
+        self.attempts += 1
+        self.verdict = None
+        # Followed by trace events: a tracker for them; else None until the hooks see a new connection.
+        self.tracker = None if trace is None else ProgressTracker()
+        extensions: dict[str, Any] = self.user_extensions
+        deadline = self.policy.first_byte_timeout
+        if deadline is not None:
+            # The first-byte deadline rides on httpcore's read timeout, looked up for the headers and again for the
+            # body (restored in headers_arrived()). A shorter read timeout of the caller's own stays in charge.
+            caller_read = self.user_timeouts.get("read")
+            self.deadline_applied = caller_read is None or deadline < caller_read
+        if trace is not None or self.deadline_applied or EXTENSION in extensions:
+            extensions = dict(extensions)
+            extensions.pop(EXTENSION, None)
+            if trace is not None:
+                extensions["trace"] = trace
+            if deadline is not None and self.deadline_applied:
+                timeouts = dict(self.user_timeouts)
+                timeouts["read"] = min(deadline, MAX_SOCKET_WAIT)
+                self.attempt_timeouts = timeouts
+                extensions["timeout"] = timeouts
+        return extensions
+
+    def next_probe_deadline(self) -> float:
+        deadline = probe_deadline(
+            self.failed_probes, first=self.policy.probe_timeout, cap=self.policy.probe_timeout_max
+        )
+        # The probe reads like any response: never wait longer than the caller's own read timeout allows.
+        caller_read = self.user_timeouts.get("read")
+        if caller_read is not None and caller_read < deadline:
+            deadline = caller_read
+        return min(deadline, MAX_SOCKET_WAIT)
+
+    def probe_answered(self, seconds: float) -> None:
+        self.stats.record_probe(seconds, answered=True)
+
+    def probe_failed(self, seconds: float) -> None:
+        self.failed_probes += 1
+        self.stats.record_probe(seconds, answered=False)
+
+    def judge_failure(self, kind: FailureKind, error_name: str, detail: str) -> None:
+        """Record a failed attempt (``error_name``: the exception class the caller would see) and set
+        ``self.verdict`` for the retry hooks."""
+        tracker = self.tracker if self.tracker is not None else ProgressTracker(hooked=True)  # a pooled connection
+        self.stats.add_error(error_name)
+        progress = tracker.effective_progress()
+        self.verdict = verdict_for_failure(
+            kind,
+            progress=progress,
+            reused_connection=tracker.reused_connection,
+            body_started=tracker.body_started,
+            request=self.kind,
+            retry_non_idempotent=self.policy.retry_non_idempotent,
+        )
+        where = "a reused" if tracker.reused_connection else "a new" if tracker.new_connection else "no"
+        self.history += (
+            f"attempt {self.attempts}: {error_name} on {where} connection "
+            f"({progress.name.lower()}): {self.verdict.reason} [{detail[:160] or 'no detail'}]",
+        )
+        if self.verdict.retry and self.verdict.stall:
+            self.reconnects += 1
+
+    def judge_response(self, status: int, headers: Any) -> bool:
+        """Restore the caller's read timeout for the body, and judge a 503/429: True if the response is one to
+        retry (``self.verdict`` says why)."""
+        if self.deadline_applied:
+            timeouts = self.attempt_timeouts  # set with the deadline in attempt_extensions()
+            if "read" in self.user_timeouts:
+                timeouts["read"] = self.user_timeouts["read"]
+            else:
+                del timeouts["read"]
+        if status not in RETRIED_STATUSES:
+            return False
+        verdict = verdict_for_status(
+            status,
+            headers,
+            request=self.kind,
+            retry_non_idempotent=self.policy.retry_non_idempotent,
+            max_retry_after=self.policy.max_retry_after,
+        )
+        if verdict is not None and verdict.retry:
+            length = headers.get("content-length", "")
+            if not length.isdigit() or int(length) > MAX_RETRIED_ERROR_BODY:
+                verdict = Verdict(False, f"{status} with a body that is not a short error")
+        self.verdict = verdict
+        if verdict is None:
+            return False
+        self.history += (f"attempt {self.attempts}: HTTP {status}: {verdict.reason}",)
+        return verdict.retry
+
+    # -- the retry schedule (tenacity hooks) -----------------------------------------------------------------------
+
+    def retrying_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for tenacity's `Retrying`/`AsyncRetrying` (the transports add ``sleep``)."""
+        policy = self.policy
+        stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
+        if policy.max_retry_time is not None:
+            # tenacity's clock starts now, after the first attempt: count that attempt's time too.
+            spent = time.monotonic() - self.started
+            stop = stop | tenacity.stop_before_delay(max(policy.max_retry_time - spent, 0.0))
+        return {
+            "stop": stop,
+            "wait": self._wait,
+            "retry": self._should_retry,
+            "before_sleep": self._before_sleep,
+            "reraise": True,
+        }
+
+    def _should_retry(self, state: tenacity.RetryCallState) -> bool:
+        return self.verdict is not None and self.verdict.retry
+
+    def _wait(self, state: tenacity.RetryCallState) -> float:
+        verdict = self.verdict
+        if verdict is None or not verdict.backoff:
+            return 0.0
+        if verdict.delay is not None:
+            return verdict.delay
+        # Full jitter. Stalled connections come back over a window as wide as the probe deadline (measured on
+        # b11434: reconnects spread over less reach the server as a new burst and stall again).
+        policy = self.policy
+        if verdict.stall:
+            multiplier = max(policy.backoff, policy.probe_timeout)
+        elif verdict.status:
+            # A 503 without Retry-After: llama-server loading a model, which takes seconds, not milliseconds.
+            multiplier = max(policy.backoff, STATUS_BACKOFF)
+        else:
+            multiplier = policy.backoff
+        return tenacity.wait_random_exponential(multiplier=multiplier, max=policy.backoff_max)(state)
+
+    def _before_sleep(self, state: tenacity.RetryCallState) -> None:
+        stall = self.verdict is not None and self.verdict.stall
+        self.stats.add(retries=1, stall_reconnects=int(stall))
+        logger.warning(
+            "retrying %s (attempt %d of %d) in %.2f s after %s",
+            self.description,
+            self.attempts + 1,
+            self.policy.max_attempts,
+            state.upcoming_sleep,
+            self.history[-1].partition(": ")[2] if self.history else "a failure",
+        )
+
+    # -- the end ---------------------------------------------------------------------------------------------------
+
+    def final_message(self, message: str) -> tuple[str, float]:
+        """The caller's error message once the guard stops, with the guard's account; and the seconds spent."""
+        elapsed = time.monotonic() - self.started
+        if self.verdict is not None and not self.verdict.retry:
+            why = f"not retried: {self.verdict.reason}"
+        elif self.attempts >= self.policy.max_attempts:
+            why = f"max_attempts={self.policy.max_attempts} reached"
+        else:
+            why = f"max_retry_time={self.policy.max_retry_time:g} s reached"
+        attempts = "1 attempt" if self.attempts == 1 else f"{self.attempts} attempts"
+        if self.attempts > 1:
+            logger.warning("giving up on %s after %s: %s", self.description, attempts, why)
+        return f"{message} [llama_guard: {self.description}, {attempts} in {elapsed:.2f} s, {why}]", elapsed
+
+    def result(self, connection_closed: bool) -> GuardResult:
+        """The guard's account for the response, which has just been handed its headers."""
+        self.first_byte = first_byte = time.monotonic() - self.started
+        self.closed_by_header = self.close_connection
+        return new_result((self.attempts, self.reconnects, first_byte, self.stream, connection_closed, self.history))

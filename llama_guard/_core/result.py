@@ -1,0 +1,42 @@
+"""What the guard did for one request, returned in ``response.extensions["llama_guard"]``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+__all__ = ["EXTENSION", "GuardResult", "new_result"]
+
+# The key of the guard's per-request options (request.extensions) and results (response.extensions).
+EXTENSION = "llama_guard"
+
+
+class GuardResult(NamedTuple):
+    """The guard's account of one request: an immutable value (a named tuple: built for every request, it is
+    several times cheaper than a frozen dataclass). Has ``_asdict()`` and ``_replace()``.
+
+    Attributes:
+        attempts: attempts made, the first included (1 when nothing went wrong).
+        reconnects: attempts abandoned on a stalled connection (first-byte deadline or probe) and sent again on a
+            fresh one.
+        first_byte_seconds: seconds from the guard receiving the request to the response headers of the attempt
+            that succeeded, retries and backoff included: what the caller waited.
+        stream: the request asked for ``"stream": true``.
+        connection_closed: the guard asked for this response's connection to be closed (``Connection: close``)
+            or will drop it after the final chunk, so it is never reused.
+        history: one line per failed attempt: what failed and what the guard decided.
+    """
+
+    attempts: int
+    reconnects: int
+    first_byte_seconds: float
+    stream: bool
+    connection_closed: bool
+    history: tuple[str, ...] = ()
+
+
+# GuardResult._make without its Python-level checks (built for every request).
+new_result: Callable[[tuple[int, int, float, bool, bool, tuple[str, ...]]], GuardResult] = functools.partial(
+    tuple.__new__, GuardResult
+)

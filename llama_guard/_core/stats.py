@@ -1,0 +1,227 @@
+"""Counters and latency distributions a guarded transport keeps, safe to update from many threads and tasks.
+
+Latencies go into a log-bucketed histogram of fixed size (about 2% resolution from 10 microseconds to a day), so
+a client that serves millions of requests keeps constant memory, while the maximum stays exact: with the defects
+this library exists for, the maximum is the figure that matters, not the average.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["GuardStats", "LatencyHistogram", "LatencySummary", "StatsSnapshot"]
+
+_MIN_SECONDS = 1e-5
+_GROWTH = 1.02
+_BUCKETS = int(math.log(86_400 / _MIN_SECONDS, _GROWTH)) + 2
+_LOG_GROWTH = math.log(_GROWTH)
+
+
+@dataclass(frozen=True, slots=True)
+class LatencySummary:
+    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact."""
+
+    count: int
+    max: float
+    p50: float
+    p90: float
+    p99: float
+    p999: float
+    mean: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class LatencyHistogram:
+    """Fixed-memory latency distribution. Not locked itself: `GuardStats` holds the lock."""
+
+    __slots__ = ("_buckets", "_max", "_total")
+
+    def __init__(self) -> None:
+        self._buckets = [0] * _BUCKETS
+        self._max = 0.0
+        self._total = 0.0
+
+    @property
+    def _count(self) -> int:
+        # Not kept as a counter: recording runs for every request, reading rarely.
+        return sum(self._buckets)
+
+    def record(self, seconds: float) -> None:
+        # Once per request, so lean: comparisons rather than max()/min() calls, no sample count.
+        if seconds > _MIN_SECONDS:
+            index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
+            if index >= _BUCKETS:
+                index = _BUCKETS - 1
+        else:  # 10 µs or less (or a clock oddity below zero, counted as zero)
+            seconds = max(seconds, 0.0)
+            index = 0
+        if seconds > self._max:
+            self._max = seconds
+        self._buckets[index] += 1
+        self._total += seconds
+
+    def percentile(self, percent: float) -> float:
+        """The smallest bucket bound below which ``percent`` % of the samples fall (0.0 with no samples)."""
+        if not 0 <= percent <= 100:
+            raise ValueError(f"percent must be from 0 to 100; got {percent!r}")
+        count = self._count
+        if count == 0:
+            return 0.0
+        rank = math.ceil(count * percent / 100) or 1
+        seen = 0
+        for index, count in enumerate(self._buckets):
+            seen += count
+            if seen >= rank:
+                upper = _MIN_SECONDS * _GROWTH**index
+                return min(upper, self._max)
+        return self._max
+
+    def summary(self) -> LatencySummary:
+        count = self._count
+        return LatencySummary(
+            count=count,
+            max=self._max,
+            p50=self.percentile(50),
+            p90=self.percentile(90),
+            p99=self.percentile(99),
+            p999=self.percentile(99.9),
+            mean=self._total / count if count else 0.0,
+        )
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """A consistent copy of a transport's counters at one moment."""
+
+    requests: int
+    passthrough: int
+    attempts: int
+    retries: int
+    stall_reconnects: int
+    stream_connections_closed: int
+    probes_sent: int
+    probes_failed: int
+    errors: dict[str, int] = field(default_factory=dict)
+    first_byte: LatencySummary | None = None
+    probe_latency: LatencySummary | None = None
+    # Why the guard follows requests through httpcore's public trace extension instead of its hooks on the pool
+    # (an httpcore/httpx version it was not tested with, or a pool out of reach); None when the hooks are in place.
+    public_path: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for JSON and logs."""
+        data: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in (
+                "requests",
+                "passthrough",
+                "attempts",
+                "retries",
+                "stall_reconnects",
+                "stream_connections_closed",
+                "probes_sent",
+                "probes_failed",
+            )
+        }
+        data["errors"] = dict(self.errors)
+        data["first_byte"] = self.first_byte.as_dict() if self.first_byte else None
+        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency else None
+        data["public_path"] = self.public_path
+        return data
+
+
+class GuardStats:
+    """Live counters of one guarded transport (``transport.stats``).
+
+    Attributes are read directly (``stats.retries``); `snapshot()` gives a consistent copy of all of them.
+    ``requests`` counts requests to llama-server origins that the guard handled; ``passthrough`` those it let by
+    unchanged. ``errors`` counts the failures of attempts by kind (the httpx exception class name), including those
+    that a retry then recovered.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter and distribution."""
+        with self._lock:
+            self.requests = 0
+            self.passthrough = 0
+            self.attempts = 0
+            self.retries = 0
+            self.stall_reconnects = 0
+            self.stream_connections_closed = 0
+            self.probes_sent = 0
+            self.probes_failed = 0
+            self.errors: Counter[str] = Counter()
+            self.first_byte = LatencyHistogram()
+            self.probe_latency = LatencyHistogram()
+
+    def add(self, **increments: int) -> None:
+        """Add to counters by name, atomically: ``stats.add(attempts=1, retries=1)``."""
+        with self._lock:
+            for name, value in increments.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def add_error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] += 1
+
+    def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
+        """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
+        went out with ``Connection: close``. One lock for all (acquire/release: cheaper than ``with``, per request)."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            self.requests += 1
+            self.attempts += attempts
+            if closed_by_header:
+                self.stream_connections_closed += 1
+            if first_byte is not None:
+                self.first_byte.record(first_byte)
+        finally:
+            lock.release()
+
+    def record_probe(self, seconds: float, *, answered: bool) -> None:
+        with self._lock:
+            self.probes_sent += 1
+            if answered:
+                self.probe_latency.record(seconds)
+            else:
+                self.probes_failed += 1
+
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            return StatsSnapshot(
+                requests=self.requests,
+                passthrough=self.passthrough,
+                attempts=self.attempts,
+                retries=self.retries,
+                stall_reconnects=self.stall_reconnects,
+                stream_connections_closed=self.stream_connections_closed,
+                probes_sent=self.probes_sent,
+                probes_failed=self.probes_failed,
+                errors=dict(self.errors),
+                first_byte=self.first_byte.summary(),
+                probe_latency=self.probe_latency.summary(),
+                public_path=self.public_path,
+            )
+
+    def __repr__(self) -> str:
+        snap = self.snapshot()
+        fb = snap.first_byte
+        latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
+        return (
+            f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
+            f"retries={snap.retries} "
+            f"stall_reconnects={snap.stall_reconnects} streams_closed={snap.stream_connections_closed} "
+            f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} errors={snap.errors}{latency}>"
+        )

@@ -1,0 +1,165 @@
+"""Connection-level hooks: a wrapper of an httpcore pool's network backend, which sees every new connection.
+
+This file is the source of truth: ``scripts/unasync.py`` generates ``sync_connections.py`` from it (and the httpx2
+twins), and CI checks that they are current.
+
+The guard must probe each new connection before httpcore writes a request to it, and must know, when an attempt
+fails, whether it failed connecting (nothing sent) or on a connection (maybe sent). Both are per connection, not per
+request. Two hooks, put on one pool instance by `track_connections`:
+
+- the pool's ``create_connection`` marks each new connection, which httpcore connects lazily inside its first
+  request; for that one call, `CURRENT_ATTEMPT` names the guarded request, taken from the attempt body the
+  request carries (`AttemptBody`);
+- the pool's network backend, wrapped, sees the connect: it probes the new connection and reports the connect to
+  that request.
+
+A request on a pooled connection passes neither hook: it pays nothing here. The streams httpcore reads and writes
+are its own, unwrapped (an https connection only until its TLS handshake).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpcore
+
+from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
+from .attempts import AttemptBody
+from .internals import network_backend, remove_instance_method, set_instance_method, set_network_backend
+
+__all__ = ["AsyncGuardedBackend", "track_connections"]
+
+
+def track_connections(pool: Any) -> None:
+    """Put the guard's hooks on ``pool`` (once): on its network backend and on the connections it creates.
+    ``pool``: from `internals.hookable_pool`."""
+    _wrap_backend(pool)
+    create = pool.create_connection
+    if not isinstance(create, _AsyncCreateConnection):
+        set_instance_method(pool, "create_connection", _AsyncCreateConnection(pool, create))
+
+
+def _wrap_backend(pool: Any) -> None:
+    """Wrap the pool's network backend in the guard's, unless it is wrapped already."""
+    backend = network_backend(pool)
+    if not isinstance(backend, AsyncGuardedBackend):
+        set_network_backend(pool, AsyncGuardedBackend(backend))
+
+
+class _AsyncCreateConnection:
+    """The pool's ``create_connection``, giving each new connection a hook on its first request."""
+
+    __slots__ = ("_create", "_pool")
+
+    def __init__(self, pool: Any, create: Any) -> None:
+        self._pool = pool
+        self._create = create
+
+    def __call__(self, origin: Any) -> Any:
+        # Someone may have replaced the pool's backend after the guard wrapped it: wrap the new one before the
+        # connection is given it. Checked here, once per connection, rather than for every request.
+        _wrap_backend(self._pool)
+        connection = self._create(origin)
+        # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
+        set_instance_method(connection, "handle_async_request", _AsyncFirstRequest(connection))
+        return connection
+
+
+class _AsyncFirstRequest:
+    """A new connection's ``handle_async_request`` for its first request, inside which httpcore connects.
+
+    It tells the backend wrapper which guarded request that is (`CURRENT_ATTEMPT`): the one whose attempt body
+    (`AttemptBody`) the request carries, or none for a request the guard passed through. Then it is gone: later
+    requests on the connection call httpcore's own method, and pay nothing.
+    """
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: Any) -> None:
+        self._connection = connection
+
+    async def __call__(self, request: httpcore.Request) -> httpcore.Response:
+        connection = self._connection
+        # Two threads may race here for a new HTTP/2 connection (only one connects): the second finds it gone.
+        remove_instance_method(connection, "handle_async_request")
+        body = request.stream
+        token = CURRENT_ATTEMPT.set(body.guarded_run() if isinstance(body, AttemptBody) else None)
+        try:
+            response: httpcore.Response = await type(connection).handle_async_request(connection, request)
+        finally:
+            CURRENT_ATTEMPT.reset(token)
+        return response
+
+
+class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
+    """Opens connections through the wrapped backend; probes those opened by a guarded attempt."""
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+        self._backend = backend
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+    ) -> httpcore.AsyncNetworkStream:
+        run = CURRENT_ATTEMPT.get()
+        if run is not None:
+            run.connecting()
+        stream = await self._backend.connect_tcp(
+            host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+        )
+        if run is None:
+            return stream
+        # Probe only a connection to the origin itself: through an HTTP proxy the connection is the proxy's.
+        if run.probing and host == run.request.url.host and port == run.origin.port:
+            if run.request.url.scheme == "https":
+                return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
+            await run.probe(stream)  # closes the stream and raises if the probe fails
+        run.connected()
+        return stream
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None
+    ) -> httpcore.AsyncNetworkStream:
+        run = CURRENT_ATTEMPT.get()
+        if run is not None:
+            run.connecting()
+        stream = await self._backend.connect_unix_socket(path, timeout=timeout, socket_options=socket_options)
+        if run is not None:
+            run.connected()
+        return stream
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+class _AsyncProbeAfterTls(httpcore.AsyncNetworkStream):
+    """A new https connection to probe once httpcore has done its TLS handshake; the TLS stream that
+    `start_tls` returns is httpcore's own, not wrapped."""
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream, run: GuardedRequest) -> None:
+        self._stream = stream
+        self._run = run
+
+    async def start_tls(
+        self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._stream.start_tls(ssl_context, server_hostname, timeout)
+        await self._run.probe(stream)  # skips HTTP/2 connections (ALPN "h2")
+        self._run.connected()
+        return stream
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._stream.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._stream.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)

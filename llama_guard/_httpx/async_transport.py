@@ -1,0 +1,399 @@
+"""`AsyncGuardTransport`, the guard as an httpx async transport.
+
+This file is the source of truth: ``scripts/unasync.py`` generates ``sync_transport.py`` from it, and CI checks
+that the generated file is current. Keep the I/O here and every decision in the sans-I/O modules.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NoReturn
+
+import anyio
+import httpcore
+import httpx
+import tenacity
+
+from .._core.log import logger
+from .._core.origins import Origin, OriginRegistry
+from .._core.ownership import mark_wrapped_by_a_guard
+from .._core.policy import GuardPolicy
+from .._core.probe import ProbeExchange, ProbeProtocolError
+from .._core.request_state import MAX_RETRIED_ERROR_BODY, RETRIED_STATUSES
+from .._core.result import EXTENSION, new_result
+from .._core.stats import GuardStats
+from .async_connections import track_connections
+from .attempts import FirstAttempt, RequestRun, request_body
+from .exceptions import ProbeError, ProbeTimeout
+from .internals import (
+    KEEPALIVE_EXPIRY,
+    cap_keepalive_expiry,
+    check_versions,
+    fix_pool_race,
+    hookable_pool,
+    streaming_check,
+)
+from .sockets import shutdown_connection
+
+__all__ = ["AsyncGuardTransport"]
+
+# llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`): expire ours first, so that the pool
+# never picks a connection at the moment the server closes it.
+DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
+
+
+class AsyncGuardTransport(httpx.AsyncBaseTransport):
+    """An httpx async transport that makes a pooled client safe against llama-server.
+
+    Wraps ``transport`` (default: a new `httpx.AsyncHTTPTransport` whose keep-alive expiry is below
+    llama-server's 5 s) and closes it when closed. Requests to llama-server origins get the guard's mechanisms
+    (see `GuardPolicy`); all other requests pass through unchanged. Per-request options go in
+    ``request.extensions["llama_guard"]`` (a dict of `GuardPolicy` fields); the guard's account comes back in
+    ``response.extensions["llama_guard"]`` (a `GuardResult`). Counters are in ``stats``.
+    """
+
+    def __init__(
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        policy: GuardPolicy | None = None,
+        stats: GuardStats | None = None,
+        origins: OriginRegistry | None = None,
+    ) -> None:
+        """``stats``: a `GuardStats` to count into (shared by several transports), else a new one. ``origins``: the
+        registry of llama-server origins to share with other transports (what `install()` passes); else the
+        policy's."""
+        if policy is not None and not isinstance(policy, GuardPolicy):
+            raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
+        if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
+            raise TypeError(
+                "transport must be an httpx.AsyncBaseTransport (for a sync client use GuardTransport); "
+                f"got {type(transport).__name__}"
+            )
+        if stats is not None and not isinstance(stats, GuardStats):
+            raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
+        self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
+        self._policy = policy if policy is not None else GuardPolicy()
+        self.stats = stats if stats is not None else GuardStats()
+        self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
+        # install() must not guard this transport's requests a second time.
+        mark_wrapped_by_a_guard(self._transport)
+        # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
+        # library versions the guard was tested with; otherwise, or when the pool is out of reach (a wrapper
+        # around a transport), through httpcore's public trace extension.
+        untested = check_versions()
+        pool = hookable_pool(self._transport) if untested is None else None
+        if pool is not None:
+            fix_pool_race(self._transport)  # httpcore 1.x can close a connection another request is using
+            cap_keepalive_expiry(self._transport)  # wrapped transports often expire at llama-server's own 5 s
+            track_connections(pool)
+        else:
+            self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
+        self._hooked = pool is not None
+        self._is_streaming = streaming_check(untested is None)
+        self._probe_connection = self._probe
+        # Read for every request: plain attributes.
+        self._every_origin = self._origins.every_origin
+        # The first attempt can go out as it is (FirstAttempt) when the hooks follow it and the policy adds nothing
+        # to the request; a llama stream gets `Connection: close` in "close" mode.
+        self._plain_first_attempts = self._hooked and self._policy.first_byte_timeout is None
+        self._close_streams = self._policy.stream_mode == "close"
+        self._drops_streams = self._policy.stream_mode != "off"
+        # Origins whose server closed the connection after answering a probe: probing them cannot work.
+        self._unprobeable: set[Origin] = set()
+
+    @property
+    def policy(self) -> GuardPolicy:
+        return self._policy
+
+    @property
+    def transport(self) -> httpx.AsyncBaseTransport:
+        """The wrapped transport."""
+        return self._transport
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._policy!r} around {type(self._transport).__name__}>"
+
+    async def __aenter__(self) -> AsyncGuardTransport:
+        await self._transport.__aenter__()
+        return self
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        origin = None
+        if not self._every_origin:
+            origin = Origin.of_url(request.url)
+            if not self._origins.is_llama(origin):
+                return await self._pass_through(request, origin)
+        overrides = request.extensions.get(EXTENSION)
+        policy = self._policy if overrides is None else self._policy.merged(overrides)
+        body, stream = request_body(request)
+        started = time.monotonic()
+        if overrides is not None or body is None or not self._plain_first_attempts or (stream and self._close_streams):
+            # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
+            run = RequestRun(
+                request,
+                origin,
+                policy,
+                self.stats,
+                self._probe_connection,
+                body=body,
+                stream=stream,
+                user_stream=request.stream,
+                started=started,
+            )
+            return await self._guarded(run)
+
+        # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
+        # (FirstAttempt). Most requests are answered here, on a pooled connection.
+        first = FirstAttempt(self.stats, self._probe_connection, request, origin, policy, body, stream, started)
+        user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
+        request.stream = first
+        try:
+            response = await self._transport.handle_async_request(request)
+        except Exception as exc:
+            request.stream = user_stream
+            return await self._guarded(first.guarded_run(), exc)
+        except BaseException:  # cancelled: counted, and nothing left attached to the request
+            request.stream = user_stream
+            if first.run is not None:
+                first.run.end_attempt()
+            self.stats.record_request(1, None, False)
+            raise
+        request.stream = user_stream
+        if response.status_code in RETRIED_STATUSES:
+            run = first.guarded_run()
+            run.end_attempt()
+            return await self._guarded(run, response)
+        if first.run is not None:  # the connection hooks probed a new connection for this attempt
+            first.run.end_attempt()
+        closing = self._drops_streams and self._is_streaming(response.headers) and self._drop_after_stream(response)
+        first_byte = time.monotonic() - started
+        response.extensions[EXTENSION] = new_result((1, 0, first_byte, stream, closing, ()))
+        self.stats.record_request(1, first_byte, False)
+        return response
+
+    async def _guarded(self, run: RequestRun, first: httpx.Response | Exception | None = None) -> httpx.Response:
+        """A request with a `RequestRun`: its attempts, retries, result and counters. ``first``: the outcome of its
+        first attempt when that was sent already (as a `FirstAttempt`), else None."""
+        try:
+            # Attempts after the first run under tenacity; most requests never need them.
+            try:
+                if first is None:
+                    response = await self._attempt(run)
+                elif isinstance(first, Exception):
+                    self._attempt_failed(run, first)
+                else:
+                    response = await self._attempt_answered(run, first)
+            except Exception as exc:
+                if not run.may_retry:
+                    if isinstance(exc, httpx.TransportError):
+                        raise run.final_error(exc) from exc
+                    raise
+                response = await self._retry(run, exc)
+            else:
+                if run.may_retry:
+                    response = await self._retry(run, response)
+            closing = run.close_connection
+            if not closing and run.policy.stream_mode != "off" and self._is_streaming(response.headers):
+                closing = self._drop_after_stream(response)
+            response.extensions[EXTENSION] = run.result(closing)
+            return response
+        finally:
+            # One locked update of the counters per request, however it ended.
+            run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
+
+    async def _retry(self, run: RequestRun, first: httpx.Response | Exception) -> httpx.Response:
+        """Attempts after the first, paced and bounded by tenacity.
+
+        tenacity's attempt 1 replays the outcome of the first attempt (no I/O), so its attempt numbers, backoff,
+        stop conditions and hooks see the whole history.
+        """
+        retrying = tenacity.AsyncRetrying(sleep=anyio.sleep, **run.retrying_kwargs())
+        response = first if isinstance(first, httpx.Response) else None
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        response = await self._attempt(run)
+                    elif isinstance(first, Exception):
+                        raise first
+        except tenacity.RetryError:
+            # Attempts ran out on a 503/429: the caller gets that last response (already read). tenacity's
+            # iteration mode does not keep results, so it is the one the loop assigned last.
+            pass
+        except httpx.TransportError as exc:
+            raise run.final_error(exc) from exc
+        assert response is not None
+        return response
+
+    async def _attempt(self, run: RequestRun) -> httpx.Response:
+        # The usual way: the hooks on the pool (_async_network.py) see a new connection and report it to this
+        # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all. A
+        # transport whose pool is out of reach is followed through httpcore's trace extension instead.
+        trace = None if self._hooked else _AsyncTracer(run, self._probe)
+        request = run.begin_attempt(trace)
+        try:
+            response = await self._transport.handle_async_request(request)
+        except Exception as exc:
+            self._attempt_failed(run, exc)
+        except BaseException:
+            run.end_attempt()
+            raise
+        run.end_attempt()
+        return await self._attempt_answered(run, response)
+
+    def _attempt_failed(self, run: RequestRun, exc: Exception) -> NoReturn:
+        """Judge the attempt's failure (the verdict goes to ``run``), end the attempt, and raise: the exception
+        itself, or the guard's name for it (a first-byte expiry becomes `FirstByteTimeout`)."""
+        error = run.attempt_failed(exc)
+        run.end_attempt()
+        if error is exc:
+            raise exc
+        raise error from exc
+
+    async def _attempt_answered(self, run: RequestRun, response: httpx.Response) -> httpx.Response:
+        if run.headers_arrived(response):
+            # A short error body; read it so the connection goes back to the pool, and so the caller still gets
+            # it whole if this turns out to be the last attempt.
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+            assert len(response.content) <= MAX_RETRIED_ERROR_BODY
+        return response
+
+    async def _probe(self, stream: Any, run: RequestRun) -> None:
+        """Ask a new connection for ``GET /health`` before the real request is written to it.
+
+        Runs inside httpcore's connect, from the pool's network backend (``_async_network.py``) or the ``trace``
+        extension, with the new network stream. On failure the
+        stream is closed here (httpcore has not stored it yet) and the error fails the connect, so the connection
+        never enters the pool and the request is retried on a fresh one.
+        """
+        if run.origin in self._unprobeable:
+            return
+        ssl_object = stream.get_extra_info("ssl_object")
+        if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
+            return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
+        exchange = ProbeExchange(run.host_header)
+        deadline = run.next_probe_deadline()
+        started = time.monotonic()
+        try:
+            await stream.write(exchange.request_bytes(), timeout=deadline)
+            answer = None
+            while answer is None:
+                remaining = deadline - (time.monotonic() - started)
+                if remaining <= 0:
+                    raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
+                answer = exchange.feed(await stream.read(65536, timeout=remaining))
+        except httpcore.TimeoutException as exc:
+            await stream.aclose()
+            run.probe_failed(time.monotonic() - started)
+            raise ProbeTimeout(
+                f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
+                "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
+                request=run.request,
+            ) from exc
+        except (httpcore.NetworkError, httpcore.ProtocolError, ProbeProtocolError) as exc:
+            await stream.aclose()
+            run.probe_failed(time.monotonic() - started)
+            raise ProbeError(
+                f"the probe of a new connection to {run.origin} failed: {exc}", request=run.request
+            ) from exc
+        except BaseException:
+            await stream.aclose()
+            raise
+        run.probe_answered(time.monotonic() - started)
+        if not answer.keep_alive:
+            await stream.aclose()
+            if 200 <= answer.status < 300:
+                # A healthy server that closes after /health: probing it can never leave a usable connection.
+                self._unprobeable.add(run.origin)
+                logger.warning(
+                    "%s closes connections after GET /health, so new connections cannot be probed; "
+                    "probing disabled for this origin",
+                    run.origin,
+                )
+            # Otherwise llama-server answers 503 with Connection: close while it loads a model: only this
+            # connection is lost. The server is reading new connections, so this request's next attempts go
+            # unprobed: the request itself then gets the server's answer (a 503 "Loading model", retried on
+            # its own terms, and handed to the caller if it lasts) instead of failing probe after probe.
+            run.server_reads_connections = True
+            raise ProbeError(
+                f"{run.origin} answered GET /health with {answer.status} and closed the connection",
+                request=run.request,
+            )
+
+    async def _pass_through(self, request: httpx.Request, origin: Origin) -> httpx.Response:
+        self.stats.add(passthrough=1)
+        response = await self._transport.handle_async_request(request)
+        if (
+            self._origins.learns
+            and self._origins.learn(origin, response.headers)
+            and self._policy.stream_mode != "off"
+            and self._is_streaming(response.headers)
+        ):
+            # The first response of an origin in "auto" mode: it just said it is llama-server, so its connection
+            # dies after this stream too.
+            self._drop_after_stream(response)
+        return response
+
+    def _drop_after_stream(self, response: httpx.Response) -> bool:
+        network_stream = response.extensions.get("network_stream")
+        if network_stream is None or not isinstance(response.stream, httpx.AsyncByteStream):
+            return False
+        response.stream = _AsyncDropAfterStream(response.stream, network_stream, self.stats)
+        return True
+
+
+class _AsyncTracer:
+    """For a wrapped transport whose pool the guard cannot reach: the ``trace`` extension of one attempt, which
+    follows its progress, probes a new connection, and passes every event on to the caller's own trace callback."""
+
+    __slots__ = ("_direct", "_probe_event", "_prober", "_run", "_user_trace")
+
+    def __init__(self, run: RequestRun, prober: Any) -> None:
+        self._run = run
+        self._prober = prober
+        # The probe goes right after the connection is ready for HTTP: after TLS for https.
+        https = run.request.url.scheme == "https"
+        self._probe_event = "connection.start_tls.complete" if https else "connection.connect_tcp.complete"
+        self._user_trace = run.request.extensions.get("trace")
+        self._direct = True  # False when httpcore connects to a proxy, not to the origin: nothing to probe then
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        run = self._run
+        assert run.tracker is not None  # begin_attempt() makes one for an attempt followed by trace events
+        run.tracker.observe(event)
+        if event == "connection.connect_tcp.started":
+            self._direct = (info.get("host"), info.get("port")) == (run.request.url.host, run.origin.port)
+        elif event == self._probe_event and self._direct and run.probing:
+            await self._prober(info["return_value"], run)
+        if self._user_trace is not None:
+            await self._user_trace(event, info)
+
+
+class _AsyncDropAfterStream(httpx.AsyncByteStream):
+    """A llama-server stream whose connection is shut down when the response closes, before httpcore would put
+    it back in the pool: llama-server closes it right after the final chunk, whatever its headers said."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, network_stream: Any, stats: GuardStats) -> None:
+        self._stream = stream
+        self._network_stream = network_stream
+        self._stats = stats
+
+    def __aiter__(self) -> Any:
+        # The inner stream's own iterator: no generator of ours that could be left suspended (and warned about by
+        # trio's finalizer) when the caller stops reading half way.
+        return self._stream.__aiter__()
+
+    async def aclose(self) -> None:
+        try:
+            if shutdown_connection(self._network_stream):
+                self._stats.add(stream_connections_closed=1)
+                self._network_stream = None
+        finally:
+            await self._stream.aclose()

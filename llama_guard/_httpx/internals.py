@@ -1,0 +1,244 @@
+"""Every access the guard makes to private attributes of httpcore and httpx, behind one version gate.
+
+The guard follows new connections through hooks on the httpcore pool (its network backend and
+``create_connection``), fixes a thread race of httpcore 1.x's pool (``_assign_requests_to_connections``, see
+below), caps the pool's keep-alive expiry, reads ``Headers._list`` for speed, and sets a client's ``_transport``
+and ``_mounts`` in `guard()`. None of that is public API: it is done here only, and only for the library
+versions in `TESTED_VERSIONS`. On any other version `untested_versions()` names it, the transports log one
+warning, patch nothing private and follow requests through httpcore's public ``trace`` extension instead, which
+still probes new connections and drops the connection after a stream. Upper pins in ``pyproject.toml`` match.
+
+The httpx2 flavour of this module (``_httpx2/internals.py``) is generated, so it reads httpcore2's and httpx2's
+versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable
+from typing import Any
+
+import httpcore
+import httpx
+
+from .._core.decisions import is_streaming_response
+from .._core.log import logger
+
+__all__ = [
+    "KEEPALIVE_EXPIRY",
+    "TESTED_VERSIONS",
+    "cap_keepalive_expiry",
+    "check_versions",
+    "client_transports",
+    "fix_pool_race",
+    "hookable_pool",
+    "remove_instance_method",
+    "replace_client_transports",
+    "set_instance_method",
+    "streaming_check",
+    "untested_versions",
+]
+
+# The versions whose private attributes used here were read and run against. httpcore 1.0.7 to 1.0.9 ship the same
+# connection_pool.py, the one the race fix below was copied from (earlier 1.0.x differ). httpx 0.27/0.28 keep
+# Client._transport/_mounts, HTTPTransport._pool and Headers._list as used here.
+TESTED_VERSIONS: dict[str, frozenset[str]] = {
+    "httpcore": frozenset({"1.0.7", "1.0.8", "1.0.9"}),
+    "httpx": frozenset({"0.27.0", "0.27.1", "0.27.2", "0.28.0", "0.28.1"}),
+    "httpcore2": frozenset({"2.16.2"}),
+    "httpx2": frozenset({"2.16.2"}),
+}
+
+# llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), and httpx's default expiry is 5 s too:
+# a pool that reuses a connection just as the server closes it loses the request. Expire ours a second earlier.
+KEEPALIVE_EXPIRY = 4.0
+
+_WARNED: set[str] = set()
+
+
+def untested_versions() -> str | None:
+    """None when the imported httpcore and httpx are versions in `TESTED_VERSIONS`; else why not, naming them.
+
+    Read from the modules' own ``__version__`` at each call (transport construction), so a test can change it."""
+    for module in (httpcore, httpx):
+        name, version = module.__name__, module.__version__
+        tested = TESTED_VERSIONS.get(name, frozenset())
+        if version not in tested:
+            return (
+                f"{name} {version} is not a version llama_guard was tested with ({', '.join(sorted(tested))}): "
+                "the guard patches nothing private and follows requests through the public trace extension"
+            )
+    return None
+
+
+def check_versions() -> str | None:
+    """`untested_versions()`, logged once per process for each untested version."""
+    reason = untested_versions()
+    if reason is not None and reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("%s", reason)
+    return reason
+
+
+def hookable_pool(transport: Any) -> Any:
+    """The httpcore pool of an httpx transport, if the guard can put its hooks on it; else None."""
+    pool = getattr(transport, "_pool", None)
+    if getattr(pool, "_network_backend", None) is None or getattr(pool, "create_connection", None) is None:
+        return None
+    return pool
+
+
+def network_backend(pool: Any) -> Any:
+    return pool._network_backend
+
+
+def set_network_backend(pool: Any, backend: Any) -> None:
+    pool._network_backend = backend
+
+
+def set_instance_method(obj: Any, name: str, method: Callable[..., Any]) -> bool:
+    """Shadow a method of one httpcore object (a pool's ``create_connection``, a new connection's request
+    handler) with an instance attribute; False for an object without an instance ``__dict__`` (not httpcore's)."""
+    try:
+        setattr(obj, name, method)
+    except AttributeError:
+        return False
+    return True
+
+
+def remove_instance_method(obj: Any, name: str) -> None:
+    """Undo `set_instance_method`; harmless if another thread did it first."""
+    # Not through obj.__dict__, which would turn the instance's inline attributes into a dict.
+    with contextlib.suppress(AttributeError):
+        delattr(obj, name)
+
+
+def client_transports(client: Any) -> tuple[Any, dict[Any, Any]]:
+    """An httpx client's transport and mounts (no public accessor exists)."""
+    return client._transport, client._mounts
+
+
+def replace_client_transports(client: Any, wrap: Callable[[Any], Any]) -> None:
+    """Replace a client's transport and every mounted transport by ``wrap(transport)``."""
+    transport, mounts = client_transports(client)
+    client._transport = wrap(transport)
+    client._mounts = {pattern: None if t is None else wrap(t) for pattern, t in mounts.items()}
+
+
+def _is_streaming_response_fast(headers: Any) -> bool:
+    """`is_streaming_response` over httpx's (raw name, lower-case name, value) triples: one pass, no lookups."""
+    for _, name, value in headers._list:
+        if name == b"content-type":
+            if value[:17].lower() == b"text/event-stream":
+                return True
+        elif name == b"transfer-encoding" and value.lower().find(b"chunked") != -1:
+            return True
+    return False
+
+
+def streaming_check(tested: bool) -> Callable[[Any], bool]:
+    """The response test the transport uses: the fast one on tested versions, else the public one."""
+    return _is_streaming_response_fast if tested else is_streaming_response
+
+
+# -- the pool race (httpcore 1.x) ---------------------------------------------------------------------------------
+# httpcore 1.0's pool assigns an idle connection to a request under its lock, but the connection stays IDLE until
+# the request's own thread sends on it; another thread's pass of the pool in between may close it as expired or
+# surplus while it is in use (``[Errno 9] Bad file descriptor``). httpcore2 treats connections held by a request
+# as reserved; this backports that rule to one pool instance (never the class).
+
+
+def _assign_requests_to_connections(self: Any) -> list[Any]:
+    """httpcore 1.0.9's method, except that connections held by a request are neither closed nor reassigned.
+
+    Plain loops, no comprehensions: it runs twice for every request."""
+    closing: list[Any] = []
+    requests = self._requests
+    reserved: set[Any] = set()
+    for request in requests:
+        if request.connection is not None:
+            reserved.add(request.connection)
+    kept: list[Any] = []
+    idle = 0
+    for connection in self._connections:
+        if connection.is_closed():
+            continue
+        if connection not in reserved:
+            if connection.has_expired():
+                closing.append(connection)
+                continue
+            if connection.is_idle():
+                idle += 1
+        kept.append(connection)
+    # Surplus idle connections beyond max_keepalive_connections (httpcore 1.0.9 counted every connection here).
+    surplus = idle - self._max_keepalive_connections
+    if surplus > 0:
+        retained = []
+        for connection in kept:
+            if surplus > 0 and connection.is_idle() and connection not in reserved:
+                closing.append(connection)
+                surplus -= 1
+            else:
+                retained.append(connection)
+        kept = retained
+    self._connections = kept
+
+    # The queued requests, each to the first connection that can take it (assigning one changes no other's state).
+    for pool_request in requests:
+        if not pool_request.is_queued():
+            continue
+        origin = pool_request.request.url.origin
+        connection = None
+        for candidate in kept:
+            if candidate not in reserved and candidate.can_handle_request(origin) and candidate.is_available():
+                connection = candidate
+                break
+        if connection is None:
+            if len(kept) < self._max_connections:
+                connection = self.create_connection(origin)
+                kept.append(connection)
+            else:
+                for candidate in kept:
+                    if candidate not in reserved and candidate.is_idle():
+                        break
+                else:
+                    continue  # every connection is busy: the request waits
+                kept.remove(candidate)
+                closing.append(candidate)
+                connection = self.create_connection(origin)
+                kept.append(connection)
+        pool_request.assign_to_connection(connection)
+        reserved.add(connection)
+    return closing
+
+
+def fix_pool_race(transport: Any) -> bool:
+    """Apply the fix to an httpx transport's httpcore 1.x HTTP/1.1 pool; True if it was applied."""
+    pool = getattr(transport, "_pool", None)
+    if pool is None:
+        return False
+    package = type(pool).__module__.partition(".")[0]  # httpcore presents its classes as "httpcore.X"
+    if package != "httpcore" or type(pool).__name__ not in _POOL_CLASSES:
+        return False  # httpcore2 has the fix; anything else is not ours to change
+    if getattr(pool, "_http2", True) or not all(hasattr(pool, name) for name in _POOL_ATTRIBUTES):
+        return False  # HTTP/2 multiplexes idle connections; this rule is for HTTP/1.1 only
+    pool._assign_requests_to_connections = types.MethodType(_assign_requests_to_connections, pool)
+    return True
+
+
+_POOL_CLASSES = ("ConnectionPool", "AsyncConnectionPool")
+_POOL_ATTRIBUTES = ("_requests", "_connections", "_max_connections", "_max_keepalive_connections")
+
+
+def cap_keepalive_expiry(transport: Any, seconds: float = KEEPALIVE_EXPIRY) -> bool:
+    """Lower an httpx transport's pool keep-alive expiry to ``seconds`` (if it is longer or unlimited); True if
+    changed. Applies to httpcore and httpcore2 pools alike."""
+    pool = getattr(transport, "_pool", None)
+    if pool is None or type(pool).__module__.partition(".")[0] not in ("httpcore", "httpcore2"):
+        return False
+    current = getattr(pool, "_keepalive_expiry", seconds)
+    if current is not None and current <= seconds:
+        return False
+    pool._keepalive_expiry = seconds
+    return True

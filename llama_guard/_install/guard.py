@@ -1,0 +1,67 @@
+"""`guard(client)`: protect an httpx or httpx2 client that already exists, keeping every other setting it has."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import httpx
+
+from .._core.policy import GuardPolicy
+from .._httpx import internals as httpx_internals
+from .._httpx.async_transport import AsyncGuardTransport
+from .._httpx.sync_transport import GuardTransport
+
+__all__ = ["guard"]
+
+ClientT = TypeVar("ClientT")
+
+
+def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
+    """Wrap ``client``'s transport and every mounted transport in the guard, in place; returns ``client``.
+
+    Takes an `httpx.Client` or `httpx.AsyncClient`, or their httpx2 twins (with ``llama-guard[httpx2]``). Base
+    URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports are
+    wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
+    given. httpx offers no public way to replace a client's transports, so this sets the client's ``_transport``
+    and ``_mounts``: only on the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise).
+    """
+    guard_class, internals = _guard_class_for(client)
+    untested = internals.untested_versions()
+    if untested is not None:
+        raise RuntimeError(
+            f"guard(client) replaces private attributes of the client, and {untested.partition(':')[0]}; "
+            "build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) instead"
+        )
+
+    def wrap(transport: Any) -> Any:
+        if isinstance(transport, guard_class):
+            if policy is None or policy == transport.policy:
+                return transport
+            transport = transport.transport
+        return guard_class(transport, policy=policy)
+
+    internals.replace_client_transports(client, wrap)
+    return client
+
+
+def _guard_class_for(client: object) -> tuple[type[Any], Any]:
+    """The guard class for ``client``'s kind and library, and that library's internals module."""
+    if isinstance(client, httpx.AsyncClient):
+        return AsyncGuardTransport, httpx_internals
+    if isinstance(client, httpx.Client):
+        return GuardTransport, httpx_internals
+    if type(client).__module__.partition(".")[0] == "httpx2":
+        # Imported only for an httpx2 client, so that llama_guard never needs httpx2 otherwise.
+        import httpx2
+
+        from .._httpx2 import internals as httpx2_internals
+        from ..httpx2 import AsyncGuardTransport as AsyncGuardTransport2
+        from ..httpx2 import GuardTransport as GuardTransport2
+
+        if isinstance(client, httpx2.AsyncClient):
+            return AsyncGuardTransport2, httpx2_internals
+        if isinstance(client, httpx2.Client):
+            return GuardTransport2, httpx2_internals
+    raise TypeError(
+        f"guard() takes an httpx.Client or httpx.AsyncClient (or their httpx2 twins); got {type(client).__name__}"
+    )

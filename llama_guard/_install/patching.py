@@ -1,0 +1,285 @@
+"""`install()` / `uninstall()`: guard the llama-server traffic of every httpx and httpx2 client in the process.
+
+For code that creates its HTTP clients itself (the openai SDK, pydantic-ai, LangChain, ...). Opt-in: importing
+llama_guard patches nothing. `install()` wraps, with wrapt, the one method through which every pooled request of
+a library goes: ``HTTPTransport.handle_request`` and ``AsyncHTTPTransport.handle_async_request`` of httpx and of
+httpx2. Post-import hooks apply the wrappers whether those libraries are imported before or after the call. As
+methods are looked up on the class, clients created before `install()` are covered too.
+
+For each request the wrapper decides:
+
+- guarded origin: the request goes through a guard (`GuardTransport` or its async/httpx2 twin) kept per transport
+  instance, whose inner transport is that instance with its original method;
+- any other origin: the original method is called with the original arguments, so the request, the response and
+  the bytes on the wire are what they would have been without `install()`;
+- a transport that an explicit guard already wraps (`guard(client)`): left alone, never guarded twice.
+
+Without ``origins``, a server is guarded once it has identified itself (``Server: llama.cpp``): its first response
+goes through unguarded (its stream's connection is still dropped, as in ``origins="auto"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import wrapt
+
+from .._core.origins import Origin, OriginRegistry
+from .._core.ownership import is_wrapped_by_a_guard
+from .._core.policy import GuardPolicy
+from .._core.stats import GuardStats
+
+__all__ = ["Installation", "install", "installation", "normalise_install_origins", "uninstall"]
+
+
+class _Target(NamedTuple):
+    """One method to wrap, and the guard class that serves its guarded requests."""
+
+    module: str
+    cls: str
+    method: str
+    guard: str  # "module:Class"
+    base: str  # the transport base class the guard accepts as its inner transport
+
+
+_TARGETS = (
+    _Target(
+        "httpx", "HTTPTransport", "handle_request", "llama_guard._httpx.sync_transport:GuardTransport", "BaseTransport"
+    ),
+    _Target(
+        "httpx",
+        "AsyncHTTPTransport",
+        "handle_async_request",
+        "llama_guard._httpx.async_transport:AsyncGuardTransport",
+        "AsyncBaseTransport",
+    ),
+    _Target(
+        "httpx2",
+        "HTTPTransport",
+        "handle_request",
+        "llama_guard._httpx2.sync_transport:GuardTransport",
+        "BaseTransport",
+    ),
+    _Target(
+        "httpx2",
+        "AsyncHTTPTransport",
+        "handle_async_request",
+        "llama_guard._httpx2.async_transport:AsyncGuardTransport",
+        "AsyncBaseTransport",
+    ),
+)
+_MODULES = tuple(dict.fromkeys(target.module for target in _TARGETS))
+
+
+class Installation:
+    """The process-wide guard that `install()` set up: its settings and the counters of every request it guarded.
+
+    ``origins`` is ``"auto"`` (servers that identify as llama.cpp) or the guarded origins; ``policy`` the settings
+    of every guard; ``stats`` one `GuardStats` shared by all of them; ``known_origins()`` the origins currently
+    guarded (in ``"auto"`` mode, those learnt so far).
+    """
+
+    def __init__(self, origins: str | tuple[Origin, ...], policy: GuardPolicy) -> None:
+        self.origins = origins
+        self.policy = policy
+        self.stats = GuardStats()
+        self._registry = OriginRegistry(origins)
+        # Each guard sees only the requests the wrapper hands it: all of them llama-server's in list mode, and in
+        # "auto" mode it learns (for the whole process) through the shared registry.
+        self._guard_policy = dataclasses.replace(policy, origins="auto" if origins == "auto" else "all")
+        self._guards: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        origins = self.origins if isinstance(self.origins, str) else [str(origin) for origin in self.origins]
+        return f"<Installation origins={origins!r} {self.policy!r}>"
+
+    def known_origins(self) -> frozenset[Origin]:
+        return self._registry.known()
+
+    def _covers(self, url: Any) -> bool:
+        """Whether a request to ``url`` goes to a guard: always in "auto" mode, which must see it to learn."""
+        return self._registry.learns or self._registry.is_llama(Origin.of_url(url))
+
+    def _guard_for(self, instance: Any, target: _Target, original: Callable[..., Any]) -> Any:
+        guard = self._guards.get(instance)
+        if guard is None:
+            with self._lock:
+                guard = self._guards.get(instance)
+                if guard is None:
+                    guard = _build_guard(instance, target, original, self)
+                    self._guards[instance] = guard
+        return guard
+
+
+def _build_guard(instance: Any, target: _Target, original: Callable[..., Any], owner: Installation) -> Any:
+    module_name, _, class_name = target.guard.partition(":")
+    guard_class = getattr(importlib.import_module(module_name), class_name)
+    base = getattr(importlib.import_module(target.module), target.base)
+    inner = _unpatched_class(base, target.module)(instance, original)
+    # One account and one set of learnt origins for the whole process (the guard's own would be per transport).
+    return guard_class(inner, policy=owner._guard_policy, stats=owner.stats, origins=owner._registry)
+
+
+_UNPATCHED_CLASSES: dict[type, type] = {}
+_INTERNALS = {"httpx": "llama_guard._httpx.internals", "httpx2": "llama_guard._httpx2.internals"}
+
+
+def _unpatched_class(base: type, library: str) -> type:
+    """A transport (of ``base``'s library and kind) that is one instance with its original, unwrapped method."""
+    cls = _UNPATCHED_CLASSES.get(base)
+    if cls is None:
+        hookable_pool = importlib.import_module(_INTERNALS[library]).hookable_pool
+
+        def __init__(self: Any, instance: Any, original: Callable[..., Any]) -> None:
+            # Weak: the per-instance guard lives in a WeakKeyDictionary keyed by the instance, which a strong
+            # reference from its value would keep alive for ever.
+            self._instance = weakref.ref(instance)
+            self._original = original
+
+        def handle(self: Any, request: Any) -> Any:
+            # Sync: the response. Async: the original's coroutine, awaited by the guard.
+            return self._original(self._live_instance(), request)
+
+        def live_instance(self: Any) -> Any:
+            instance = self._instance()
+            if instance is None:  # pragma: no cover - the guard is only reachable through its instance
+                raise RuntimeError("the transport this guard wrapped no longer exists")
+            return instance
+
+        def pool(self: Any) -> Any:
+            # So that the guard's hooks and pool fixes (internals.py) reach the instance's real pool.
+            return hookable_pool(self._live_instance())
+
+        namespace = {
+            "__init__": __init__,
+            "__doc__": "The transport instance itself, with the method it had before install().",
+            "_live_instance": live_instance,
+            "_pool": property(pool),
+            "handle_request": handle,
+            "handle_async_request": handle,
+            # close()/aclose() stay the base class's no-ops: the instance belongs to its client, which closes it.
+        }
+        cls = _UNPATCHED_CLASSES[base] = type(f"Unpatched{base.__name__}", (base,), namespace)
+    return cls
+
+
+# Process-wide state, changed under _STATE_LOCK only.
+_STATE_LOCK = threading.RLock()
+_current: Installation | None = None
+_handles: dict[_Target, Any] = {}  # target -> the wrapt wrapper installed on its class
+_hooked_modules: set[str] = set()  # post-import hooks cannot be removed: register each once, let them check state
+
+
+def install(*, origins: str | Sequence[str | Origin] | None = None, policy: GuardPolicy | None = None) -> Installation:
+    """Guard the llama-server traffic of every httpx and httpx2 client in this process; returns the `Installation`.
+
+    ``origins``: the llama-server origins to guard, e.g. ``["http://127.0.0.1:8080"]``; ``None`` or ``"auto"``
+    (default): every server that identifies itself as llama.cpp. ``policy``: the guard's settings (a
+    `GuardPolicy`; its own ``origins`` must stay the default: pass origins here). Requests to any other origin
+    are left exactly as they were. Calling it again replaces the settings (harmless with the same ones);
+    `uninstall()` restores the original methods.
+    """
+    global _current
+    if policy is None:
+        policy = GuardPolicy()
+    elif not isinstance(policy, GuardPolicy):
+        raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
+    if policy.origins != "all":
+        raise ValueError(
+            "install() takes the origins to guard as its own argument: install(origins=[...]); "
+            f"leave the policy's origins at their default (got policy origins {policy.origins!r})"
+        )
+    setting = normalise_install_origins(origins)
+    with _STATE_LOCK:
+        if _current is not None and _current.origins == setting and _current.policy == policy:
+            return _current
+        _current = Installation(setting, policy)
+        for module in _MODULES:
+            if module not in _hooked_modules:
+                _hooked_modules.add(module)
+                wrapt.register_post_import_hook(_patch_module, module)  # runs now if already imported
+        for target in _TARGETS:
+            # A module imported while a previous installation was active is already patched; others wait.
+            _patch_if_imported(target)
+        return _current
+
+
+def uninstall() -> None:
+    """Undo `install()`: the wrapped methods are restored; clients go back to plain httpx/httpx2 behaviour.
+
+    Harmless when nothing is installed. Responses already being read keep the guard they started with.
+    """
+    global _current
+    with _STATE_LOCK:
+        _current = None
+        for target, handle in list(_handles.items()):
+            module = importlib.import_module(target.module)
+            try:
+                wrapt.unwrap_object(getattr(module, target.cls), target.method, handle, missing_ok=True)
+            except wrapt.WrapperNotOutermostError:
+                # Another library wrapped the method after us; removing ours would remove theirs. Ours stays in
+                # the chain but is inert (it passes every call straight through while nothing is installed).
+                continue
+            del _handles[target]
+
+
+def installation() -> Installation | None:
+    """The active `Installation`, or None when `install()` is not in effect."""
+    return _current
+
+
+def normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
+    if origins is None or origins == "auto":
+        return "auto"
+    if isinstance(origins, str):
+        if origins == "all":
+            raise ValueError(
+                "install() guards llama-server only, never every origin of the process: give origins=[...] "
+                "or leave origins=None to guard servers that identify as llama.cpp"
+            )
+        origins = [origins]
+    # GuardPolicy's validation names what is wrong with an origin; reuse it rather than repeat it.
+    normalised = GuardPolicy(origins=origins).origins  # type: ignore[arg-type]
+    assert isinstance(normalised, tuple)
+    return normalised
+
+
+def _patch_module(module: Any) -> None:
+    """Post-import hook of httpx/httpx2: patch its transports if an installation is active now."""
+    with _STATE_LOCK:
+        for target in _TARGETS:
+            if target.module == module.__name__:
+                _patch_if_imported(target)
+
+
+def _patch_if_imported(target: _Target) -> None:
+    module = sys.modules.get(target.module)
+    if _current is None or module is None or target in _handles:
+        return
+    cls = getattr(module, target.cls, None)
+    if cls is None:  # pragma: no cover - a library version without this class
+        return
+    original = cls.__dict__[target.method]
+    _handles[target] = wrapt.wrap_function_wrapper(cls, target.method, _wrapper_for(target, original))
+
+
+def _wrapper_for(target: _Target, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        current = _current
+        if current is None or instance is None or is_wrapped_by_a_guard(instance):
+            return wrapped(*args, **kwargs)
+        request = args[0] if args else kwargs.get("request")
+        url = getattr(request, "url", None)
+        if url is None or not current._covers(url):
+            return wrapped(*args, **kwargs)
+        guard = current._guard_for(instance, target, original)
+        return getattr(guard, target.method)(request)
+
+    return wrapper

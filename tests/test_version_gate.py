@@ -1,0 +1,100 @@
+"""The version gate: on an httpcore the guard was not tested with, it patches nothing private, says so once, and
+still prevents both defects through httpcore's public trace extension."""
+
+from __future__ import annotations
+
+import logging
+
+import httpcore
+import httpx
+import pytest
+
+import llama_guard
+from llama_guard._httpx import internals
+from llama_guard.testing import LlamaServerEmulator
+
+from ._drivers import FLAVORS, run_scenario
+from .test_mechanisms import alternate_streams, burst
+
+UNTESTED = "1.9.99"
+
+
+@pytest.fixture
+def untested_httpcore(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """httpcore reports a version the gate does not know, from before the transports are built until after."""
+    monkeypatch.setattr(httpcore, "__version__", UNTESTED)
+    monkeypatch.setattr(internals, "_WARNED", set())  # the warning is once per process: a clean slate
+    caplog.set_level(logging.WARNING, logger="llama_guard")
+
+
+def _gate_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "llama_guard" and "not a version" in r.getMessage()]
+
+
+def _pool_state(pool: object) -> tuple[dict[str, object], object]:
+    return dict(vars(pool)), vars(pool)["_network_backend"]
+
+
+def test_tested_versions_put_the_hooks_on_the_pool() -> None:
+    """The control: on the installed (tested) versions the guard does patch its pool."""
+    assert internals.untested_versions() is None
+    inner = httpx.HTTPTransport()
+    with llama_guard.GuardTransport(inner) as guard:
+        pool = inner._pool
+        assert "create_connection" in vars(pool)
+        assert type(vars(pool)["_network_backend"]).__name__ == "SyncGuardedBackend"
+        assert guard.stats.snapshot().public_path is None
+
+
+def test_an_untested_httpcore_patches_nothing_and_warns_once(
+    untested_httpcore: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One warning naming the version; no private attribute of the pool changed; stats say why."""
+    sync_inner, async_inner = httpx.HTTPTransport(), httpx.AsyncHTTPTransport()
+    before = [_pool_state(sync_inner._pool), _pool_state(async_inner._pool)]
+    classes = [dict(vars(type(sync_inner._pool))), dict(vars(type(async_inner._pool)))]
+    guards = [llama_guard.GuardTransport(sync_inner), llama_guard.AsyncGuardTransport(async_inner)]
+    assert [_pool_state(sync_inner._pool), _pool_state(async_inner._pool)] == before
+    assert [dict(vars(type(sync_inner._pool))), dict(vars(type(async_inner._pool)))] == classes
+    assert sync_inner._pool._keepalive_expiry == 5.0  # httpx's default, not capped
+    warnings = _gate_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert f"httpcore {UNTESTED}" in warnings[0]
+    for guard in guards:
+        assert f"httpcore {UNTESTED}" in (guard.stats.snapshot().public_path or "")
+    sync_inner.close()
+
+
+def test_guard_client_refuses_an_untested_httpcore(untested_httpcore: None) -> None:
+    """guard(client) would set the client's private attributes: it says what to do instead."""
+    with httpx.Client() as client, pytest.raises(RuntimeError, match=f"httpcore {UNTESTED}.*transport=llama_guard"):
+        llama_guard.guard(client)
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_streams_lose_nothing_on_the_public_path(
+    flavor: str, untested_httpcore: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Alternating streams on a server that closes after each: the guard still loses none."""
+    with LlamaServerEmulator(stream_close_delay=0.06, http_threads=16, pool_bug=False) as server:
+        driver = run_scenario(flavor, alternate_streams, flavor, server.url, True, None, 40)
+    assert driver.errors == []
+    stats = driver.stats
+    assert UNTESTED in (stats.public_path or "")
+    assert stats.stream_connections_closed == 20
+    assert len(_gate_warnings(caplog)) == 1
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_burst_leaves_none_stuck_on_the_public_path(flavor: str, untested_httpcore: None) -> None:
+    """The pool bug: the probe, run from the trace extension, replaces the connections left unread."""
+    with LlamaServerEmulator(http_threads=4) as server:
+        guarded = run_scenario(flavor, burst, flavor, server.url, server.port, True, 16)
+        ran = server.stats().completions_started
+    outcomes = [o for d in guarded for o in d.outcomes]
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes if o.error]
+    assert max(o.first_byte for o in outcomes) < 3.0
+    assert all(UNTESTED in (d.stats.public_path or "") for d in guarded)
+    assert sum(d.stats.probes_sent for d in guarded) >= 16  # every new connection was probed
+    assert sum(d.stats.probes_failed for d in guarded) >= 1  # and the stalled ones were caught
+    assert ran == len(outcomes), "a rescued request must not also run on the abandoned connection"
