@@ -6,13 +6,15 @@ handled here, each in the direction of llama-server:
 
 - the body must be UTF-8 (``json.loads`` on bytes would also detect UTF-16 and UTF-32);
 - ``NaN``, ``Infinity`` and numbers beyond a double's range are errors;
-- an escaped lone surrogate (``"\\ud800"``) is an error (an escaped backslash before ``ud800`` is not one);
+- an escaped lone surrogate (``"\\ud800"``) is an error; an escaped backslash followed by ``ud800`` is not one;
 - nesting deeper than Python's recursion limit is fine (nlohmann keeps its own stack): the top-level keys are then
   found by an iterative scan.
 
-A body llama-server rejects streams nothing, so it is "not a stream". The cost is one ``json.loads`` (C speed)
-plus checks of what it returned, and those checks run only when the answer would otherwise be "a stream": they
-can only turn it into "not a stream". Sans-I/O; tested in ``tests/test_fuzz.py`` against these rules and in
+A body llama-server rejects streams nothing, so it is "not a stream".
+
+Cost: one ``json.loads`` (C speed), then checks that run only when the answer would be "a stream" (they can only
+turn it into "not a stream"), each a fraction of a pass over the body or a walk of the few strings a prompt-like
+body holds. Sans-I/O; tested in ``tests/test_fuzz.py`` against llama-server's rules and in
 ``tests/test_decisions.py`` as a table.
 """
 
@@ -28,8 +30,13 @@ __all__ = ["wants_stream"]
 # Below this size a byte check answers most bodies without parsing; above it the check costs about as much as the
 # parse it would save (both are one pass over the body), so the body is parsed at once.
 BYTE_CHECK_LIMIT: Final = 64 * 1024
-# The longest integer a double holds finitely has 309 digits; one that long may still fit, so it is converted.
-_LONGEST_FINITE_INTEGER: Final = 308
+# parse_int: a C callable that returns a constant is faster than building each integer, whose value never decides
+# the answer (False in the document: not the boolean true).
+_NO_INTEGER: Final = frozenset[str]().__contains__
+
+
+class _DuplicateKeys(Exception):
+    """An object repeats a key: the value it overwrites is out of the document's reach, but must be valid too."""
 
 
 def wants_stream(body: bytes) -> bool:
@@ -43,78 +50,147 @@ def wants_stream(body: bytes) -> bool:
         text = body.decode("utf-8-sig")  # nlohmann skips a UTF-8 byte order mark too
     except UnicodeDecodeError:
         return False
-    # Numbers are collected as their text (the document holds None in their place): appending is C speed, and the
-    # answer never depends on a number's value, only on whether nlohmann could read it.
-    integers: list[str] = []
     floats: list[str] = []
     try:
-        document = json.loads(text, parse_constant=_refuse, parse_float=floats.append, parse_int=integers.append)
+        document = json.loads(
+            text, object_pairs_hook=_object, parse_constant=_refuse, parse_float=floats.append, parse_int=_NO_INTEGER
+        )
+    except _DuplicateKeys:
+        return _streams_with_duplicate_keys(body, text)
     except RecursionError:
         return _top_level_stream(text) and not _has_lone_surrogate_escape(text)
     except ValueError:
         return False
     if not (isinstance(document, dict) and document.get("stream") is True):
         return False
-    return not (_out_of_range(integers, floats) or _has_lone_surrogate(document))
+    if any(map(math.isinf, map(float, floats))) or _integer_out_of_range(body, text):
+        return False
+    lone = _has_lone_surrogate(document, budget=len(text) // _WALK_BUDGET_DIVISOR)
+    return not (_has_lone_surrogate_escape(text) if lone is None else lone)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        raise _DuplicateKeys
+    return document
 
 
 def _refuse(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON")
 
 
-def _out_of_range(integers: list[str], floats: list[str]) -> bool:
-    """Whether a number is beyond a double's range: nlohmann stores an integer beyond 64 bits as a double."""
-    if floats and any(map(math.isinf, map(float, floats))):
-        return True
-    if integers and max(map(len, integers)) > _LONGEST_FINITE_INTEGER:
-        return any(math.isinf(float(integer)) for integer in integers if len(integer) > _LONGEST_FINITE_INTEGER)
-    return False
+def _streams_with_duplicate_keys(body: bytes, text: str) -> bool:
+    """The rare body that repeats a key: the last value wins (as in nlohmann), lone surrogates read from the text."""
+    floats: list[str] = []
+    try:
+        document = json.loads(text, parse_constant=_refuse, parse_float=floats.append, parse_int=_NO_INTEGER)
+    except RecursionError:
+        return _top_level_stream(text) and not _has_lone_surrogate_escape(text)
+    except ValueError:
+        return False
+    if not (isinstance(document, dict) and document.get("stream") is True):
+        return False
+    if any(map(math.isinf, map(float, floats))) or _integer_out_of_range(body, text):
+        return False
+    return not _has_lone_surrogate_escape(text)
 
 
-def _has_lone_surrogate(document: Any) -> bool:
-    """Whether a string in the parsed document holds a surrogate code point.
+# The longest integer a double holds finitely has 309 digits; one of 309 may still fit, and is converted.
+_LONGEST_FINITE_INTEGER: Final = 308
+_DIGITS_AS_ZERO: Final = bytes.maketrans(b"0123456789", b"0" * 10)
+# A run of 309 digits covers 30 consecutive multiples of 10: a sample of every tenth byte finds every such run.
+_SAMPLE_STEP: Final = 10
+_SAMPLED_RUN: Final = b"0" * ((_LONGEST_FINITE_INTEGER + 1) // _SAMPLE_STEP)
+_FULL_RUN: Final = b"0" * (_LONGEST_FINITE_INTEGER + 1)
+
+
+def _integer_out_of_range(body: bytes, text: str) -> bool:
+    """Whether an integer is beyond a double's range (nlohmann stores one beyond 64 bits as a double).
+
+    Only a run of 309 digits can be one. A sample of every tenth byte rules that out in a tenth of a pass; a body
+    of long numbers may pass the sample, and is then searched in full; one with such a run (in a number or a
+    string) is parsed again with its integers kept as text.
+    """
+    if body[::_SAMPLE_STEP].translate(_DIGITS_AS_ZERO).find(_SAMPLED_RUN) == -1:
+        return False
+    if body.translate(_DIGITS_AS_ZERO).find(_FULL_RUN) == -1:
+        return False
+    integers: list[str] = []
+    json.loads(text, parse_int=integers.append)
+    return any(math.isinf(float(integer)) for integer in integers if len(integer) > _LONGEST_FINITE_INTEGER)
+
+
+# A body with more containers and strings than its length over this (one per 1 KiB) is read for lone surrogates
+# from its text, a pass at C speed, rather than walked node by node in Python.
+_WALK_BUDGET_DIVISOR: Final = 1024
+
+
+def _has_lone_surrogate(document: dict[str, Any], budget: int) -> bool | None:
+    """Whether a string in the parsed document (which repeats no key) holds a surrogate code point; None when the
+    document has more than ``budget`` (at least 64) containers and strings.
 
     Python's json joins an escaped pair into one character and keeps a lone escape as a surrogate, and valid UTF-8
-    holds no surrogates: so one found here was a lone escape in the body. An ASCII string is skipped at no cost,
-    and a list holding no strings or
-    containers (token ids: numbers are None here) at C speed.
+    holds no surrogates: so one found here was a lone escape in the body. ASCII strings are passed over at no
+    cost, and so is an array of numbers and literals (token ids) at C speed.
     """
-    pending = [document]
+    pending: list[Any] = [document]
+    budget = max(budget, 64)
     while pending:
+        budget -= 1
+        if budget < 0:
+            return None
         item = pending.pop()
         if type(item) is str:
             if not item.isascii():
                 try:
-                    item.encode()  # UTF-8 refuses a surrogate; a C pass, faster here than a regular expression
+                    item.encode()  # UTF-8 refuses a surrogate; a C pass, faster than a regular expression
                 except UnicodeEncodeError:
                     return True
         elif type(item) is dict:
             pending.extend(item)
             pending.extend(item.values())
-        elif type(item) is list:
-            if item.count(None) + item.count(True) + item.count(False) != len(item):
-                pending.extend(item)
+        elif type(item) is list and not _only_literals(item):
+            pending.extend(item)
     return False
 
 
-_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
-_SURROGATE_PAIR: Final = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+def _only_literals(array: list[Any]) -> bool:
+    """An array of integers (False here), floats (None) and literals: no string or container inside."""
+    size = len(array)
+    found = array.count(False)  # identity first: counting the commonest value first is the fast case
+    if found != size:
+        found += array.count(None)
+    if found != size:
+        found += array.count(True)
+    return found == size
+
+
+# A high surrogate escape not followed by a low one, or a low one not preceded by a high one. Both start with the
+# literal \u, so the search skips to backslashes at C speed (a lookbehind in front would be tried at every place).
+_LONE_SURROGATE_ESCAPE: Final = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    r"|\\u[dD][c-fC-F][0-9a-fA-F]{2}(?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
 
 
 def _has_lone_surrogate_escape(text: str) -> bool:
-    """Whether the JSON text holds an escaped lone surrogate (for documents too deep to parse).
+    """Whether the JSON text holds an escaped lone surrogate.
 
-    Escaped backslashes go first, left to right as a JSON reader pairs them (``\\\\ud800`` is a backslash and
-    ``ud800``), then escaped pairs; each becomes a character that cannot join its neighbours into a new escape.
+    In ``\\\\ud800`` the first backslash escapes the second: a backslash and the letters ``ud800``. So a match in
+    the text is confirmed after escaped backslashes are replaced, left to right as a JSON reader pairs them, by a
+    character that cannot join its neighbours into an escape. Only a match can be false, never a miss: a search
+    of the text alone answers most bodies.
     """
-    if _SURROGATE_ESCAPE.search(text) is None:
+    if _LONE_SURROGATE_ESCAPE.search(text) is None:
         return False
-    unpaired = _SURROGATE_PAIR.sub("#", text.replace("\\\\", "#"))
-    return _SURROGATE_ESCAPE.search(unpaired) is not None
+    return _LONE_SURROGATE_ESCAPE.search(text.replace("\\\\", "#")) is not None
 
 
 _STRING: Final = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_STRUCTURE: Final = re.compile(r'["{}\[\],]')
+# A string's quote, a comma, or a run of opening or closing brackets (a run is counted at once: deep nesting is
+# mostly such runs).
+_STRUCTURE: Final = re.compile(r'"|,|[\[{]+|[\]}]+')
 _WHITESPACE: Final = re.compile(r"[ \t\r\n]*")
 _TRUE_END: Final = frozenset(" \t\r\n,}")
 
@@ -155,16 +231,15 @@ def _top_level_stream(text: str) -> bool:
                     end = position + 4
                     stream = text.startswith("true", position) and (end == len(text) or text[end] in _TRUE_END)
             continue
+        run = found.end() - position
+        position = found.end()
         if char in "{[":
-            depth += 1
+            depth += run
             expecting_key = depth == 1
         elif char in "}]":
-            depth -= 1
-            if depth < 0:
-                return False
-            if depth == 0:
-                return stream and not text[position + 1 :].strip()
+            if run >= depth:  # the top-level object closes in this run: nothing may follow it
+                return run == depth and stream and not text[position:].strip()
+            depth -= run
         elif depth == 1:
             expecting_key = True  # a comma between top-level members
-        position += 1
     return False
