@@ -99,23 +99,21 @@ def _streams_with_duplicate_keys(body: bytes, text: str) -> bool:
 # The longest integer a double holds finitely has 309 digits; one of 309 may still fit, and is converted.
 _LONGEST_FINITE_INTEGER: Final = 308
 _DIGITS_AS_ZERO: Final = bytes.maketrans(b"0123456789", b"0" * 10)
-# A run of 309 digits covers 30 consecutive multiples of 10: a sample of every tenth byte finds every such run.
-_SAMPLE_STEP: Final = 10
-_SAMPLED_RUN: Final = b"0" * ((_LONGEST_FINITE_INTEGER + 1) // _SAMPLE_STEP)
-_FULL_RUN: Final = b"0" * (_LONGEST_FINITE_INTEGER + 1)
+# A run of 309 digits covers 3 consecutive multiples of 100 and 30 of 10: samples of every hundredth, then every
+# tenth byte, find every such run; each finer search runs only when the coarser one found a candidate.
+_SAMPLES: Final = tuple((step, b"0" * ((_LONGEST_FINITE_INTEGER + 1) // step)) for step in (100, 10, 1))
 
 
 def _integer_out_of_range(body: bytes, text: str) -> bool:
     """Whether an integer is beyond a double's range (nlohmann stores one beyond 64 bits as a double).
 
-    Only a run of 309 digits can be one. A sample of every tenth byte rules that out in a tenth of a pass; a body
-    of long numbers may pass the sample, and is then searched in full; one with such a run (in a number or a
-    string) is parsed again with its integers kept as text.
+    Only a run of 309 digits can be one. Samples of the body rule that out in a small part of a pass (a body of
+    long numbers may need the full search); a body with such a run (in a number or a string) is parsed again with
+    its integers kept as text.
     """
-    if body[::_SAMPLE_STEP].translate(_DIGITS_AS_ZERO).find(_SAMPLED_RUN) == -1:
-        return False
-    if body.translate(_DIGITS_AS_ZERO).find(_FULL_RUN) == -1:
-        return False
+    for step, run in _SAMPLES:
+        if body[::step].translate(_DIGITS_AS_ZERO).find(run) == -1:
+            return False
     integers: list[str] = []
     json.loads(text, parse_int=integers.append)
     return any(math.isinf(float(integer)) for integer in integers if len(integer) > _LONGEST_FINITE_INTEGER)
@@ -142,17 +140,29 @@ def _has_lone_surrogate(document: dict[str, Any], budget: int) -> bool | None:
             return None
         item = pending.pop()
         if type(item) is str:
-            if not item.isascii():
-                try:
-                    item.encode()  # UTF-8 refuses a surrogate; a C pass, faster than a regular expression
-                except UnicodeEncodeError:
-                    return True
+            if not item.isascii() and _holds_surrogate(item):
+                return True
         elif type(item) is dict:
             pending.extend(item)
             pending.extend(item.values())
         elif type(item) is list and not _only_literals(item):
             pending.extend(item)
     return False
+
+
+def _holds_surrogate(text: str) -> bool:
+    # Latin-1 holds no surrogate, and encoding to it is a copy for a string of such characters (which fails at
+    # once otherwise); UTF-8 refuses a surrogate. Both C passes, faster than a regular expression.
+    try:
+        text.encode("latin-1")
+        return False
+    except UnicodeEncodeError:
+        pass
+    try:
+        text.encode()
+        return False
+    except UnicodeEncodeError:
+        return True
 
 
 def _only_literals(array: list[Any]) -> bool:
