@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=10, help="requests per variant and body (default 10)")
     args = parser.parse_args(argv)
     logging.getLogger("asyncio").propagate = False  # counted, not printed
+    logging.getLogger("asyncio").addHandler(logging.NullHandler())  # nor printed as a last resort between runs
     print("| body | bare httpx | guard | guard, stream | wants_stream alone (stream) |")
     print("| --- | ---: | ---: | ---: | ---: |")
 

@@ -208,8 +208,9 @@ _TRUE_END: Final = frozenset(" \t\r\n,}")
 def _top_level_stream(text: str) -> bool:
     """The top-level ``"stream"`` of a document too deep for ``json.loads``, found without recursion.
 
-    Checks the structure (brackets balanced, strings closed, a top-level object), not every value: this runs
-    only for bodies nested thousands deep, which an application does not send by accident.
+    Checks the structure (brackets balanced, strings closed, a top-level object closed by a brace), not every
+    value nor the kind of every inner bracket: this runs only for bodies nested thousands deep, which an
+    application does not send by accident.
     """
     start = _WHITESPACE.match(text, 0)
     position = start.end() if start else 0
@@ -247,8 +248,8 @@ def _top_level_stream(text: str) -> bool:
             depth += run
             expecting_key = depth == 1
         elif char in "}]":
-            if run >= depth:  # the top-level object closes in this run: nothing may follow it
-                return run == depth and stream and not text[position:].strip()
+            if run >= depth:  # the top-level object closes in this run, with a brace, and nothing may follow it
+                return run == depth and text[position - 1] == "}" and stream and not text[position:].strip()
             depth -= run
         elif depth == 1:
             expecting_key = True  # a comma between top-level members

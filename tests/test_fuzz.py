@@ -697,6 +697,19 @@ def test_stream_detection_with_nesting_llama_server_accepts(depth: int) -> None:
 
 
 @pytest.mark.parametrize(
+    "tail",
+    ["]}", "}}", "} ,", "", "]"],
+    ids=["a-closer-too-many", "two-top-level-closers", "trailing-comma", "unclosed", "unclosed-object"],
+)
+def test_stream_detection_of_deep_bodies_llama_server_rejects(tail: str) -> None:
+    """Too deep for Python's parser, so read by the iterative scan, which counts runs of brackets at once."""
+    depth = 5_000
+    body = '{"stream": true, "x": ' + "[" * depth + "]" * depth + tail
+    assert wants_stream(body.encode()) is False
+    assert wants_stream((body[: -len(tail)] if tail else body).encode() + b"}") is True
+
+
+@pytest.mark.parametrize(
     "body",
     [
         b'{"stream": true, "temperature": NaN}',
