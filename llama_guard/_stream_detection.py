@@ -50,13 +50,24 @@ def wants_stream(body: bytes) -> bool:
         text = body.decode("utf-8-sig")  # nlohmann skips a UTF-8 byte order mark too
     except UnicodeDecodeError:
         return False
+    try:
+        return _reads_as_stream(body, text, walk=True)
+    except _DuplicateKeys:  # rare: a repeated key's overwritten value is out of the walk's reach
+        return _reads_as_stream(body, text, walk=False)
+
+
+def _reads_as_stream(body: bytes, text: str, *, walk: bool) -> bool:
+    """Parse, then check what nlohmann refuses and Python accepts. ``walk``: objects are checked for repeated keys
+    (`_DuplicateKeys`), so that lone surrogates may be looked for in the parsed strings rather than in the text."""
     floats: list[str] = []
     try:
         document = json.loads(
-            text, object_pairs_hook=_object, parse_constant=_refuse, parse_float=floats.append, parse_int=_NO_INTEGER
+            text,
+            object_pairs_hook=_object if walk else None,
+            parse_constant=_refuse,
+            parse_float=floats.append,
+            parse_int=_NO_INTEGER,
         )
-    except _DuplicateKeys:
-        return _streams_with_duplicate_keys(body, text)
     except RecursionError:
         return _top_level_stream(text) and not _has_lone_surrogate_escape(text)
     except ValueError:
@@ -65,7 +76,7 @@ def wants_stream(body: bytes) -> bool:
         return False
     if any(map(math.isinf, map(float, floats))) or _integer_out_of_range(body, text):
         return False
-    lone = _has_lone_surrogate(document, budget=len(text) // _WALK_BUDGET_DIVISOR)
+    lone = _has_lone_surrogate(document, budget=len(text) // _WALK_BUDGET_DIVISOR) if walk else None
     return not (_has_lone_surrogate_escape(text) if lone is None else lone)
 
 
@@ -78,22 +89,6 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _refuse(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON")
-
-
-def _streams_with_duplicate_keys(body: bytes, text: str) -> bool:
-    """The rare body that repeats a key: the last value wins (as in nlohmann), lone surrogates read from the text."""
-    floats: list[str] = []
-    try:
-        document = json.loads(text, parse_constant=_refuse, parse_float=floats.append, parse_int=_NO_INTEGER)
-    except RecursionError:
-        return _top_level_stream(text) and not _has_lone_surrogate_escape(text)
-    except ValueError:
-        return False
-    if not (isinstance(document, dict) and document.get("stream") is True):
-        return False
-    if any(map(math.isinf, map(float, floats))) or _integer_out_of_range(body, text):
-        return False
-    return not _has_lone_surrogate_escape(text)
 
 
 # The longest integer a double holds finitely has 309 digits; one of 309 may still fit, and is converted.
@@ -151,8 +146,8 @@ def _has_lone_surrogate(document: dict[str, Any], budget: int) -> bool | None:
 
 
 def _holds_surrogate(text: str) -> bool:
-    # Latin-1 holds no surrogate, and encoding to it is a copy for a string of such characters (which fails at
-    # once otherwise); UTF-8 refuses a surrogate. Both C passes, faster than a regular expression.
+    # Latin-1 holds no surrogate, and encoding to it is a copy for a string of such characters (it fails at the
+    # first wider one otherwise); UTF-8 refuses a surrogate. Both C passes, faster than a regular expression.
     try:
         text.encode("latin-1")
         return False
@@ -168,7 +163,7 @@ def _holds_surrogate(text: str) -> bool:
 def _only_literals(array: list[Any]) -> bool:
     """An array of integers (False here), floats (None) and literals: no string or container inside."""
     size = len(array)
-    found = array.count(False)  # identity first: counting the commonest value first is the fast case
+    found = array.count(False)  # the commonest first: one count answers a list of token ids
     if found != size:
         found += array.count(None)
     if found != size:
@@ -187,10 +182,10 @@ _LONE_SURROGATE_ESCAPE: Final = re.compile(
 def _has_lone_surrogate_escape(text: str) -> bool:
     """Whether the JSON text holds an escaped lone surrogate.
 
-    In ``\\\\ud800`` the first backslash escapes the second: a backslash and the letters ``ud800``. So a match in
-    the text is confirmed after escaped backslashes are replaced, left to right as a JSON reader pairs them, by a
-    character that cannot join its neighbours into an escape. Only a match can be false, never a miss: a search
-    of the text alone answers most bodies.
+    In ``\\\\ud800`` the first backslash escapes the second: a backslash and the letters ``ud800``. A search of the
+    raw text can only over-report (such a backslash), never miss, so it answers most bodies alone; a match is
+    confirmed after escaped backslashes are replaced, left to right as a JSON reader pairs them, by a character
+    that cannot join its neighbours into an escape.
     """
     if _LONE_SURROGATE_ESCAPE.search(text) is None:
         return False
