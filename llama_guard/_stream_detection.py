@@ -50,8 +50,10 @@ def wants_stream(body: bytes) -> bool:
         text = body.decode("utf-8-sig")  # nlohmann skips a UTF-8 byte order mark too
     except UnicodeDecodeError:
         return False
+    # A small body's text is searched for lone surrogates at once; a large one's parsed strings are walked instead,
+    # when they are few (a search costs a pass that is slow where escapes are dense).
     try:
-        return _reads_as_stream(body, text, walk=True)
+        return _reads_as_stream(body, text, walk=len(body) >= BYTE_CHECK_LIMIT)
     except _DuplicateKeys:  # rare: a repeated key's overwritten value is out of the walk's reach
         return _reads_as_stream(body, text, walk=False)
 

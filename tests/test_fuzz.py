@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 
 import llama_guard
 from llama_guard import GuardPolicy, Origin
+from llama_guard import _stream_detection as wants_stream_module
 from llama_guard._decisions import parse_retry_after, wants_stream
 from llama_guard._origins import parse_origin
 from llama_guard._policy import per_request_fields
@@ -648,13 +649,18 @@ def bodies_with_escapes(draw: st.DrawFn) -> bytes:
 def test_stream_detection_of_escaped_backslashes_and_surrogates(body: bytes) -> None:
     expected = llama_server_streams(body)
     event(f"streams: {expected}")
-    assert wants_stream(body) is expected
-    # The same strings in a document too deep for Python's parser take the iterative path: same answer.
+    assert wants_stream(body) is expected  # a small body: its text is searched
+    # Each way of finding lone surrogates gives the same answer: in a large body the parsed strings are walked ...
+    large = body[:-1] + b', "padding": "' + b"x" * wants_stream_module.BYTE_CHECK_LIMIT + b'"}'
+    assert wants_stream(large) is expected
+    # ... unless there are too many small objects to walk: then its text is searched ...
+    message = b'{"role": "user", "content": "hi"}'
+    many = body[:-1] + b', "messages": [' + b", ".join([message] * 3_000) + b"]}"
+    assert len(many) > wants_stream_module.BYTE_CHECK_LIMIT
+    assert wants_stream(many) is expected
+    # ... and a document too deep for Python's parser takes the iterative scan, and its text is searched.
     deep = body[:-1] + b', "deep": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
     assert wants_stream(deep) is expected
-    # And among many small objects, too many to walk: read from the text, same answer.
-    many = body[:-1] + b', "messages": [' + b", ".join([b'{"role": "user", "content": "hi"}'] * 200) + b"]}"
-    assert wants_stream(many) is expected
 
 
 @pytest.mark.parametrize(
