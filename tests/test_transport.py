@@ -170,6 +170,8 @@ def test_probe_answered_503_while_loading_keeps_probing(server: LlamaServerEmula
     assert "answered GET /health with 503" in response.extensions["llama_guard"].history[0]
     # The failed one, none for the retry (the server had just answered), the new connection's after the stream.
     assert stats.probes_sent == 2
+    # The 503 that closed the connection is a failed probe, as its ProbeError is an error; the other one passed.
+    assert (stats.probes_failed, stats.errors, stats.probe_latency.count) == (1, {"ProbeError": 1}, 1)
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -210,6 +212,7 @@ def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog
     assert first.extensions["llama_guard"].attempts == 2
     assert second.extensions["llama_guard"].attempts == 1
     assert stats.probes_sent == 1
+    assert (stats.probes_failed, stats.errors, stats.probe_latency.count) == (1, {"ProbeError": 1}, 0)
     assert "probing disabled for this origin" in caplog.text
 
 

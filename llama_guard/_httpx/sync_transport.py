@@ -306,8 +306,10 @@ class GuardTransport(httpx.BaseTransport):
         except BaseException:
             stream.close()
             raise
-        run.probe_answered(time.monotonic() - started)
-        if not answer.keep_alive:
+        if answer.keep_alive:
+            run.probe_answered(time.monotonic() - started)
+        else:  # an answer that closes the connection fails the probe (counted with the ProbeError it raises)
+            run.probe_failed(time.monotonic() - started)
             stream.close()
             if 200 <= answer.status < 300:
                 # A healthy server that closes after /health: probing it can never leave a usable connection.
