@@ -26,12 +26,26 @@ from typing import Any
 
 import anyio
 import httpx
+import pytest
 
 import llama_guard
 from llama_guard.testing import async_burst_transport, burst_transport
 
 FLAVORS = ("sync", "asyncio", "trio")
 LIBRARIES = ("httpx", "httpx2")
+
+
+def client_combinations(fast: set[tuple[str, str]], flavors: tuple[str, ...] = FLAVORS) -> list[Any]:
+    """Every (flavor, library) pair as a ``("flavor", "library_name")`` parameter, ids ``"sync-httpx"``; the pairs
+    not in ``fast`` are marked ``slow``, so the fast core (``-m "not slow"``) runs each case on those only."""
+    unknown = fast - {(flavor, name) for flavor in flavors for name in LIBRARIES}
+    if unknown:
+        raise ValueError(f"fast combinations must be (flavor, library) pairs of {flavors} and {LIBRARIES}: {unknown}")
+    return [
+        pytest.param(flavor, name, id=f"{flavor}-{name}", marks=() if (flavor, name) in fast else pytest.mark.slow)
+        for flavor in flavors
+        for name in LIBRARIES
+    ]
 
 
 def library(name: str) -> ModuleType:
