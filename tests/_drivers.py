@@ -19,7 +19,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
@@ -35,16 +35,21 @@ FLAVORS = ("sync", "asyncio", "trio")
 LIBRARIES = ("httpx", "httpx2")
 
 
-def client_combinations(fast: set[tuple[str, str]], flavors: tuple[str, ...] = FLAVORS) -> list[Any]:
-    """Every (flavor, library) pair as a ``("flavor", "library_name")`` parameter, ids ``"sync-httpx"``; the pairs
-    not in ``fast`` are marked ``slow``, so the fast core (``-m "not slow"``) runs each case on those only."""
-    unknown = fast - {(flavor, name) for flavor in flavors for name in LIBRARIES}
-    if unknown:
-        raise ValueError(f"fast combinations must be (flavor, library) pairs of {flavors} and {LIBRARIES}: {unknown}")
+def on_every_client(cases: Sequence[tuple[str, Any]], flavors: tuple[str, ...] = FLAVORS) -> list[Any]:
+    """``(case, flavor, library)`` parameters: every ``(id, case)`` on every client (flavour and library), ids
+    ``"<id>-sync-httpx"``. All but one client per case are marked ``slow``: the fast core (``-m "not slow"``) runs
+    each case once, on the clients in turn, so it still has every case and every client."""
+    clients = [(flavor, name) for flavor in flavors for name in LIBRARIES]
     return [
-        pytest.param(flavor, name, id=f"{flavor}-{name}", marks=() if (flavor, name) in fast else pytest.mark.slow)
-        for flavor in flavors
-        for name in LIBRARIES
+        pytest.param(
+            case,
+            flavor,
+            name,
+            id=f"{case_id}-{flavor}-{name}",
+            marks=() if index == turn % len(clients) else pytest.mark.slow,
+        )
+        for turn, (case_id, case) in enumerate(cases)
+        for index, (flavor, name) in enumerate(clients)
     ]
 
 

@@ -38,10 +38,10 @@ from llama_guard.testing import Fault, LlamaServerEmulator, generated_text
 
 from ._drivers import (
     Driver,
-    client_combinations,
     client_sockets,
     close_driver,
     make_driver,
+    on_every_client,
     open_fds,
     pool_of,
     pool_problems,
@@ -293,11 +293,9 @@ def fd_targets() -> list[str]:
     return targets
 
 
-# The fast core runs every point on an asyncio httpx client and a trio httpx2 one; the full suite on all four.
 @pytest.mark.parametrize(
-    ("backend", "library_name"), client_combinations({("asyncio", "httpx"), ("trio", "httpx2")}, ("asyncio", "trio"))
+    ("point", "backend", "library_name"), on_every_client([(point, point) for point in POINTS], ("asyncio", "trio"))
 )
-@pytest.mark.parametrize("point", POINTS)
 def test_cancelled_request_leaves_nothing_behind(point: str, backend: str, library_name: str) -> None:
     gc.collect()
     baseline = open_fds()

@@ -39,12 +39,12 @@ from llama_guard.testing import EmulatorStats, Fault, LlamaServerEmulator, gener
 from ._drivers import (
     Driver,
     Outcome,
-    client_combinations,
     client_sockets,
     close_driver,
     guard_module,
     library,
     make_driver,
+    on_every_client,
     pool_problems,
     run_bounded,
     wait_until,
@@ -636,9 +636,7 @@ def frozen_heap() -> Iterator[None]:
     gc.unfreeze()
 
 
-# The fast core runs every row on a sync httpx client and a trio httpx2 one; the full suite on all six.
-@pytest.mark.parametrize(("flavor", "library_name"), client_combinations({("sync", "httpx"), ("trio", "httpx2")}))
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+@pytest.mark.parametrize(("case", "flavor", "library_name"), on_every_client([(case.id, case) for case in CASES]))
 def test_fault(case: Case, flavor: str, library_name: str) -> None:
     env = Env(case)
     try:
