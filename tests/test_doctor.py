@@ -317,6 +317,7 @@ def test_without_a_burst_the_build_decides(build, status, code):
     assert document["burst"] is None
 
 
+@pytest.mark.slow  # a full doctor run with its burst
 def test_text_output_names_verdicts_evidence_and_fix():
     with LlamaServerEmulator() as server:
         code, out, err = doctor(server.url, requests=20, max_tokens=2)
