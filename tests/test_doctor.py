@@ -236,11 +236,14 @@ def by_defect(document):
 @pytest.mark.slow  # a full doctor run
 def test_the_faulty_emulator_is_affected_by_both_defects():
     # A 20 ms delay before the close (llama-server closes at once) lets plain httpx reuse the dying connection
-    # often enough on loopback for the load to show losses in a short run.
-    with LlamaServerEmulator(stream_close_delay=0.02) as server:
+    # often enough on loopback for the load to show losses in a short run. The burst's stall is made deterministic
+    # (stall_burst): 12 of its 16 connections wait, whatever the machine's load, in the first burst that finds the
+    # server idle (doctor's pause between bursts outlasts the 5 s keep-alive of anything left from the load).
+    with LlamaServerEmulator(stream_close_delay=0.02, stall_burst=16) as server:
         code, out, err = doctor(server.url, json=True, burst=16, timeout=3.0)
         document = json.loads(out)
         stalled = document["burst"]["rounds"][-1]["stalled"]
+        assert stalled == 16 - server.config.http_threads
         # The server's side of the story: it closed after streams, and left the burst's connections unread
         # (counted when a thread picks them up at last, which is after doctor closed them).
         stats = server.wait_for(lambda s: s.connections_waited_unread(threshold=1.0) >= stalled > 0, timeout=10)

@@ -180,16 +180,16 @@ def late_probe_read(stats: EmulatorStats) -> bool:
 CASES = [
     # -- defect 1: the server closes a kept-alive connection right after a stream ---------------------------------
     Case("after-stream/chat", "chat", OK, 2, 2, "the stream's connection is never reused", attempts=1,
-         scenario="after_stream", server={"stream_close_delay": 0.06}),
+         scenario="after_stream", server={"stream_close": "on_reuse"}),
     Case("after-stream/stream", "stream", OK, 2, 2, "the stream's connection is never reused", attempts=1,
-         scenario="after_stream", server={"stream_close_delay": 0.06}),
+         scenario="after_stream", server={"stream_close": "on_reuse"}),
     Case("after-stream/post", "post", OK, 1, 1, "the stream's connection is never reused", attempts=1,
-         scenario="after_stream", server={"stream_close_delay": 0.06}),
+         scenario="after_stream", server={"stream_close": "on_reuse"}),
     Case("after-stream/chat/stream_mode=off", "chat", OK, 2, 2,
          "a request lost on the dead pooled connection was never read: resent at once",
-         scenario="after_stream", server={"stream_close_delay": 0.06}, policy={"stream_mode": "off"}),
+         scenario="after_stream", server={"stream_close": "on_reuse"}, policy={"stream_mode": "off"}, attempts=2),
     Case("after-stream/chat/stream_mode=drop", "chat", OK, 2, 2, "dropped after the final chunk", attempts=1,
-         scenario="after_stream", server={"stream_close_delay": 0.06}, policy={"stream_mode": "drop"}),
+         scenario="after_stream", server={"stream_close": "on_reuse"}, policy={"stream_mode": "drop"}),
     # -- connection reset before the request is read ---------------------------------------------------------------
     Case("reset-before-read/chat", "chat", OK, 1, 1, "the probe took the reset: nothing real was sent",
          fault=Fault.RESET_BEFORE_READ, attempts=2),

@@ -4,6 +4,7 @@ Point curl or a client at the printed URL; Ctrl-C stops it and prints what the
 server saw.  Example::
 
     python -m llama_guard.testing --port 8080 --http-threads 4 --token-interval 0.05
+    python -m llama_guard.testing --stream-close on_reuse --stall-burst 16   # both defects, deterministic
     curl -N localhost:8080/v1/chat/completions -d '{"messages":[],"stream":true}'
 """
 
@@ -15,6 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from .._llama_build import FIRST_FIXED_BUILD
+from ._config import STREAM_CLOSE_MODES
 from ._emulator import LlamaServerEmulator
 
 
@@ -30,7 +32,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--fixed-pool", action="store_true", help="model builds >= b11737")
     parser.add_argument("--wakeup-latency", type=float, default=0.005)
     parser.add_argument("--keep-streams-open", action="store_true", help="do not close after streams")
-    parser.add_argument("--stream-close-delay", type=float, default=0.0)
+    parser.add_argument(
+        "--stream-close",
+        choices=STREAM_CLOSE_MODES,
+        default="after_delay",
+        help="after_delay: close --stream-close-delay seconds after a stream's final chunk (timing-faithful); "
+        "on_reuse: keep the connection open until the next request arrives on it, then close it unanswered "
+        "(every reuse after a stream is lost)",
+    )
+    parser.add_argument(
+        "--stream-close-delay", type=float, default=0.0, help="seconds between a stream's final chunk and the close"
+    )
+    parser.add_argument(
+        "--stall-burst",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the pool stall made deterministic: of each burst's first K connections, those after the first "
+        "--http-threads wait unread until a served connection closes; later ones are served at once",
+    )
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--token-interval", type=float, default=0.0)
     parser.add_argument("--n-tokens", type=int, default=8)
@@ -50,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             pool_bug=not args.fixed_pool,
             wakeup_latency=args.wakeup_latency,
             close_after_stream=not args.keep_streams_open,
+            stream_close=args.stream_close,
             stream_close_delay=args.stream_close_delay,
+            stall_burst=args.stall_burst,
             parallel=args.parallel,
             token_interval=args.token_interval,
             n_tokens=args.n_tokens,
@@ -71,7 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"requests={dict(stats.requests)} completions started={stats.completions_started} "
         f"finished={stats.completions_finished} connections={stats.connections_accepted} "
-        f"max unread wait={stats.max_unread_wait:.3f}s",
+        f"max unread wait={stats.max_unread_wait:.3f}s dropped after stream={stats.requests_dropped_after_stream} "
+        f"stalled={stats.connections_stalled}",
         flush=True,
     )
     return 0
