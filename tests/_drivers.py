@@ -19,19 +19,38 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import anyio
 import httpx
+import pytest
 
 import llama_guard
 from llama_guard.testing import async_burst_transport, burst_transport
 
 FLAVORS = ("sync", "asyncio", "trio")
 LIBRARIES = ("httpx", "httpx2")
+
+
+def on_every_client(cases: Sequence[tuple[str, Any]], flavors: tuple[str, ...] = FLAVORS) -> list[Any]:
+    """``(case, flavor, library)`` parameters: every ``(id, case)`` on every client (flavour and library), ids
+    ``"<id>-sync-httpx"``. All but one client per case are marked ``slow``: the fast core (``-m "not slow"``) runs
+    each case once, on the clients in turn, so it still has every case and every client."""
+    clients = [(flavor, name) for flavor in flavors for name in LIBRARIES]
+    return [
+        pytest.param(
+            case,
+            flavor,
+            name,
+            id=f"{case_id}-{flavor}-{name}",
+            marks=() if index == turn % len(clients) else pytest.mark.slow,
+        )
+        for turn, (case_id, case) in enumerate(cases)
+        for index, (flavor, name) in enumerate(clients)
+    ]
 
 
 def library(name: str) -> ModuleType:

@@ -21,6 +21,7 @@ def test_every_example_is_covered() -> None:
     )
 
 
+@pytest.mark.slow  # an interpreter per example, 2 to 9 s each
 @pytest.mark.parametrize("name", STANDALONE)
 def test_example_runs(name: str) -> None:
     process = subprocess.run(
