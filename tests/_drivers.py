@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import socket
 import ssl
@@ -33,6 +34,11 @@ from llama_guard.testing import async_burst_transport, burst_transport
 
 FLAVORS = ("sync", "asyncio", "trio")
 LIBRARIES = ("httpx", "httpx2")
+#: httpx2 needs Python 3.11 or later: where it is missing its cases skip and say so, and httpx runs them all.
+HAS_HTTPX2 = importlib.util.find_spec("httpx2") is not None
+NO_HTTPX2 = pytest.mark.skip(
+    reason="httpx2 is not installed (it needs Python 3.11+): pip install 'llama-guard[httpx2]'"
+)
 
 
 def on_every_client(cases: Sequence[tuple[str, Any]], flavors: tuple[str, ...] = FLAVORS) -> list[Any]:
@@ -40,16 +46,17 @@ def on_every_client(cases: Sequence[tuple[str, Any]], flavors: tuple[str, ...] =
     ``"<id>-sync-httpx"``. All but one client per case are marked ``slow``: the fast core (``-m "not slow"``) runs
     each case once, on the clients in turn, so it still has every case and every client."""
     clients = [(flavor, name) for flavor in flavors for name in LIBRARIES]
+    installed = [client for client in clients if client[1] != "httpx2" or HAS_HTTPX2]
+
+    def marks(turn: int, client: tuple[str, str]) -> Any:
+        if client not in installed:
+            return NO_HTTPX2
+        return () if client == installed[turn % len(installed)] else pytest.mark.slow
+
     return [
-        pytest.param(
-            case,
-            flavor,
-            name,
-            id=f"{case_id}-{flavor}-{name}",
-            marks=() if index == turn % len(clients) else pytest.mark.slow,
-        )
+        pytest.param(case, flavor, name, id=f"{case_id}-{flavor}-{name}", marks=marks(turn, (flavor, name)))
         for turn, (case_id, case) in enumerate(cases)
-        for index, (flavor, name) in enumerate(clients)
+        for flavor, name in clients
     ]
 
 

@@ -49,8 +49,6 @@ from ._drivers import (
     wait_until,
 )
 
-pytest.importorskip("httpx2")
-
 CHAT = "/v1/chat/completions"
 #: The least time the request would still take at every point if the cancellation waited for it instead of cutting
 #: it short: the client's read and pool timeouts (headers that never come), the probe deadline, Retry-After, and

@@ -50,8 +50,6 @@ from ._drivers import (
     wait_until,
 )
 
-pytest.importorskip("httpx2")
-
 CHAT = "/v1/chat/completions"
 N_TOKENS = 4
 #: Every row's outcome comes within this many seconds. A row's own deadlines, backoffs and Retry-After add up to
