@@ -71,10 +71,12 @@ def test_install_guards_sessions_created_before_and_after(racy_server: LlamaServ
                 stats = installation.stats.snapshot()
                 assert stats.requests == 2 * REQUESTS
                 assert stats.probes_sent >= 2  # each session's first connection at least
-                assert guard_of(before) is not None and guard_of(after) is not None
+                assert guard_of(before) is not None
+                assert guard_of(after) is not None
 
                 llama_guard.uninstall()
-                assert guard_of(before) is None and guard_of(after) is None
+                assert guard_of(before) is None
+                assert guard_of(after) is None
                 back = await alternate_streams(after, racy_server.url, REQUESTS)
                 assert all(o is None or isinstance(o, Exception) for o in back)  # no guard result any more
                 assert installation.stats.snapshot().requests == 2 * REQUESTS
@@ -90,7 +92,8 @@ def test_an_explicitly_guarded_session_is_not_guarded_twice(racy_server: LlamaSe
             installation = llama_guard.install(origins=[racy_server.url])
             outcomes = await alternate_streams(session, racy_server.url, 6)
             assert all(isinstance(o, llama_guard.GuardResult) for o in outcomes)
-            assert guard_of(session) is own and isinstance(own, mine)
+            assert guard_of(session) is own
+            assert isinstance(own, mine)
             assert own.stats.snapshot().requests == 6
             assert installation.stats.snapshot().requests == 0
             llama_guard.uninstall()
