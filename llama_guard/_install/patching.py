@@ -127,7 +127,7 @@ def _build_guard(instance: Any, target: _Target, original: Callable[..., Any], o
     module_name, _, class_name = target.guard.partition(":")
     guard_class = getattr(importlib.import_module(module_name), class_name)
     base = getattr(importlib.import_module(target.module), target.base)
-    inner = _unpatched_class(base)(instance, original)
+    inner = _unpatched_class(base, target.module)(instance, original)
     # One account and one set of learnt origins for the whole process (the guard's own would be per transport).
     return guard_class(inner, policy=owner._guard_policy, stats=owner.stats, origins=owner._registry)
 
@@ -136,11 +136,11 @@ _UNPATCHED_CLASSES: dict[type, type] = {}
 _INTERNALS = {"httpx": "llama_guard._httpx.internals", "httpx2": "llama_guard._httpx2.internals"}
 
 
-def _unpatched_class(base: type) -> type:
+def _unpatched_class(base: type, library: str) -> type:
     """A transport (of ``base``'s library and kind) that is one instance with its original, unwrapped method."""
     cls = _UNPATCHED_CLASSES.get(base)
     if cls is None:
-        hookable_pool = importlib.import_module(_INTERNALS[base.__module__.partition(".")[0]]).hookable_pool
+        hookable_pool = importlib.import_module(_INTERNALS[library]).hookable_pool
 
         def __init__(self: Any, instance: Any, original: Callable[..., Any]) -> None:
             # Weak: the per-instance guard lives in a WeakKeyDictionary keyed by the instance, which a strong
