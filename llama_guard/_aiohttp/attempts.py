@@ -14,13 +14,13 @@ import aiohttp
 import anyio
 from aiohttp.payload import BytesPayload
 
-from .._core.decisions import FailureKind, ProgressTracker, wants_stream
+from .._core.decisions import FailureKind, Progress, ProgressTracker, wants_stream
 from .._core.log import without_quoted_values
 from .._core.origins import Origin
 from .._core.policy import GuardPolicy
 from .._core.request_state import RequestState
 from .._core.stats import GuardStats
-from .exceptions import FirstByteTimeout, failure_kind, guarded_error
+from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error
 
 __all__ = ["CURRENT_ATTEMPT", "AiohttpRequest", "request_body"]
 
@@ -113,6 +113,11 @@ class AiohttpRequest(RequestState):
             )
         else:
             kind = failure_kind(exc)
+            if kind is not None and body_error(exc):
+                # The headers were parsed: the attempt got as far as the response (known, not assumed).
+                self.tracker.hooked = False
+                self.tracker.saw_events = True
+                self.tracker.progress = Progress.HEADERS
         if kind is None:
             return exc
         self.judge_failure(kind, type(exc).__name__, error_text(exc))
