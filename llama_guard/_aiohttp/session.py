@@ -20,6 +20,7 @@ from .internals import (
     session_middlewares,
     set_session_middlewares,
     unhook_new_connections,
+    untested_version,
 )
 from .middleware import GuardMiddleware
 
@@ -102,6 +103,6 @@ def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware) -> None:
         why = "aiohttp's own resend of idempotent requests stays on"
     if why is not None:
         guard.stats.public_path = why
-        if why not in _WARNED:
+        if why not in _WARNED and untested_version() is None:  # else the version gate has said it once
             _WARNED.add(why)
             logger.warning("llama_guard on an aiohttp session: %s", why)
