@@ -7,7 +7,6 @@ Everything decided about a request (counting, verdicts, the retry schedule, prob
 from __future__ import annotations
 
 import contextvars
-import math
 from typing import Any
 
 import aiohttp
@@ -81,12 +80,13 @@ class AiohttpRequest(RequestState):
         host: str | None = self.aiohttp_request.headers.get("Host")
         return host if host else f"{self.aiohttp_request.url.raw_host}:{self.aiohttp_request.url.port}"
 
-    def begin_attempt(self) -> anyio.CancelScope:
-        """Count a new attempt; the cancel scope that holds its first-byte deadline (none: an infinite one)."""
+    def begin_attempt(self) -> anyio.CancelScope | None:
+        """Count a new attempt; the cancel scope that holds its first-byte deadline, if the policy sets one."""
         self.attempt_extensions(None)
         deadline = self.policy.first_byte_timeout
-        scope = anyio.CancelScope(deadline=math.inf if deadline is None else anyio.current_time() + deadline)
-        self.deadline_scope = scope
+        if deadline is None:
+            return None  # a cancel scope costs about as much as the rest of the guard's work on a request
+        scope = self.deadline_scope = anyio.CancelScope(deadline=anyio.current_time() + deadline)
         return scope
 
     def connected(self) -> None:

@@ -157,8 +157,11 @@ class GuardMiddleware:
         token = CURRENT_ATTEMPT.set(run)
         response: aiohttp.ClientResponse | None = None
         try:
-            with scope:
+            if scope is None:
                 response = await handler(run.aiohttp_request)
+            else:
+                with scope:
+                    response = await handler(run.aiohttp_request)
         except Exception as exc:
             run.attempt_failed(exc)
             raise
