@@ -271,3 +271,41 @@ def test_public_names() -> None:
 def test_importing_llama_guard_does_not_import_aiohttp() -> None:
     code = "import sys, llama_guard; assert 'aiohttp' not in sys.modules, 'aiohttp imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_install_hook_guards_sessions_made_before_it(
+    racy_server: LlamaServerEmulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What install() does (SESSION_REQUEST_METHOD wrapped to call guard_session first) guards a session created
+    before the hook, for the named origin only."""
+    import importlib
+
+    from llama_guard._aiohttp.internals import SESSION_REQUEST_METHOD
+    from llama_guard._core.origins import OriginRegistry
+
+    module_name, qualname = SESSION_REQUEST_METHOD
+    owner = getattr(importlib.import_module(module_name), qualname.split(".")[0])
+    method_name = qualname.split(".")[1]
+    original = getattr(owner, method_name)
+    stats, origins = GuardStats(), OriginRegistry([racy_server.url])
+
+    def hooked(self: aiohttp.ClientSession, *args: object, **kwargs: object) -> object:
+        guard_aiohttp.guard_session(self, stats=stats, origins=origins)
+        return original(self, *args, **kwargs)
+
+    async def scenario() -> list[BaseException]:
+        errors: list[BaseException] = []
+        async with aiohttp.ClientSession(racy_server.url) as session:  # made before the hook
+            monkeypatch.setattr(owner, method_name, hooked)
+            for index in range(20):
+                try:
+                    async with session.post(CHAT, json=chat(stream=index % 2 == 1)) as response:
+                        await response.read()
+                except aiohttp.ClientError as exc:
+                    errors.append(exc)
+        return errors
+
+    assert asyncio.run(scenario()) == []
+    assert stats.requests == 20
+    assert stats.stream_connections_closed == 10
+    assert racy_server.stats().completions_started == 20

@@ -21,6 +21,7 @@ import aiohttp
 from .._core.log import logger
 
 __all__ = [
+    "SESSION_REQUEST_METHOD",
     "TESTED_VERSIONS",
     "check_version",
     "disable_connection_retry",
@@ -37,6 +38,11 @@ __all__ = [
 TESTED_VERSIONS: frozenset[str] = frozenset({"3.12.15", "3.13.5", "3.14.5"})
 
 _WARNED: set[str] = set()
+
+# Where install() hooks every session, those created before it included: wrap this method at class level (wrapt:
+# module, name) to call `guard_session(self, ...)` before each request; only when `untested_version()` is None.
+# aiohttp reads the session's middlewares inside this method, after the wrapper has run.
+SESSION_REQUEST_METHOD = ("aiohttp.client", "ClientSession._request")
 
 
 def untested_version() -> str | None:
