@@ -16,7 +16,7 @@ httpx transports; errors subclass aiohttp's (`ProbeTimeout`, `ProbeError`, `Firs
 from ._aiohttp.connector import KEEPALIVE_TIMEOUT, GuardConnector
 from ._aiohttp.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._aiohttp.internals import TESTED_VERSIONS
-from ._aiohttp.middleware import GuardMiddleware, guard_result
+from ._aiohttp.middleware import GuardMiddleware, guard_result, request_options
 from ._aiohttp.session import guard_of, guard_session, guarded_session, unguard_session
 from ._core.errors import GuardError
 from ._core.policy import GuardPolicy
@@ -39,6 +39,7 @@ __all__ = [
     "guard_result",
     "guard_session",
     "guarded_session",
+    "request_options",
     "unguard_session",
 ]
 

@@ -7,20 +7,19 @@ Everything decided about a request (counting, verdicts, the retry schedule, prob
 from __future__ import annotations
 
 import contextvars
-import math
 from typing import Any
 
 import aiohttp
 import anyio
 from aiohttp.payload import BytesPayload
 
-from .._core.decisions import FailureKind, ProgressTracker, wants_stream
+from .._core.decisions import FailureKind, Progress, ProgressTracker, wants_stream
 from .._core.log import without_quoted_values
 from .._core.origins import Origin
 from .._core.policy import GuardPolicy
 from .._core.request_state import RequestState
 from .._core.stats import GuardStats
-from .exceptions import FirstByteTimeout, failure_kind, guarded_error
+from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error
 
 __all__ = ["CURRENT_ATTEMPT", "AiohttpRequest", "request_body"]
 
@@ -81,12 +80,13 @@ class AiohttpRequest(RequestState):
         host: str | None = self.aiohttp_request.headers.get("Host")
         return host if host else f"{self.aiohttp_request.url.raw_host}:{self.aiohttp_request.url.port}"
 
-    def begin_attempt(self) -> anyio.CancelScope:
-        """Count a new attempt; the cancel scope that holds its first-byte deadline (none: an infinite one)."""
+    def begin_attempt(self) -> anyio.CancelScope | None:
+        """Count a new attempt; the cancel scope that holds its first-byte deadline, if the policy sets one."""
         self.attempt_extensions(None)
         deadline = self.policy.first_byte_timeout
-        scope = anyio.CancelScope(deadline=math.inf if deadline is None else anyio.current_time() + deadline)
-        self.deadline_scope = scope
+        if deadline is None:
+            return None  # a cancel scope costs about as much as the rest of the guard's work on a request
+        scope = self.deadline_scope = anyio.CancelScope(deadline=anyio.current_time() + deadline)
         return scope
 
     def connected(self) -> None:
@@ -113,6 +113,11 @@ class AiohttpRequest(RequestState):
             )
         else:
             kind = failure_kind(exc)
+            if kind is not None and body_error(exc):
+                # The headers were parsed: the attempt got as far as the response (known, not assumed).
+                self.tracker.hooked = False
+                self.tracker.saw_events = True
+                self.tracker.progress = Progress.HEADERS
         if kind is None:
             return exc
         self.judge_failure(kind, type(exc).__name__, error_text(exc))

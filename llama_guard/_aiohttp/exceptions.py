@@ -21,11 +21,20 @@ import errno
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import BadHttpMessage, PayloadEncodingError
 
 from .._core.decisions import FailureKind
 from .._core.errors import GuardError
 
-__all__ = ["FirstByteTimeout", "ProbeError", "ProbeTimeout", "failure_kind", "guarded_error", "probe_error"]
+__all__ = [
+    "FirstByteTimeout",
+    "ProbeError",
+    "ProbeTimeout",
+    "body_error",
+    "failure_kind",
+    "guarded_error",
+    "probe_error",
+]
 
 
 class _Account:
@@ -73,6 +82,20 @@ def failure_kind(exc: BaseException) -> FailureKind | None:
     if isinstance(exc, OSError):  # raw socket errors reach the middleware before aiohttp wraps them
         return FailureKind.NETWORK
     return None
+
+
+def body_error(exc: BaseException) -> bool:
+    """A failure in the response body, which aiohttp reports before handing out the headers when the body arrived
+    with them (a bad chunk, a short body): the response had begun, so it is never retried."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, PayloadEncodingError):  # TransferEncodingError, ContentLengthError, ...
+            return True
+        # aiohttp's C parser (llhttp) reports a bad chunk as a plain BadHttpMessage; only its reason says where.
+        if type(cause) is BadHttpMessage and "chunk" in str(cause.message).lower():
+            return True
+        cause = cause.__cause__
+    return False
 
 
 _GUARDED: dict[type[BaseException], type[BaseException]] = {}

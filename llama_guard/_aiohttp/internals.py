@@ -1,8 +1,8 @@
 """Every access the guard makes to private attributes of aiohttp, behind one version gate.
 
 The guard hooks a connector's ``_create_connection`` (where a new connection is made, before its first request is
-written: the probe goes there), marks a llama stream's connection to be closed on release
-(``ResponseHandler.force_close()`` on ``response.connection.protocol``), and, for a session it guards, turns off
+written: the probe goes there), marks a llama stream's connection to be closed on release (``response._protocol``:
+``force_close()``, or ``close()`` when aiohttp has pooled it already), and, for a session it guards, turns off
 aiohttp's own one-time resend of idempotent requests (``ClientSession._retry_connection``: the guard's rules decide
 instead) and reads or replaces its ``_middlewares``. None of that is public API: it is done here only, and only on
 the aiohttp versions in `TESTED_VERSIONS`. On any other version `check_version()` logs one warning naming it, and
@@ -12,6 +12,7 @@ the probe and the drop after a stream are off, and ``stats.public_path`` says so
 
 from __future__ import annotations
 
+import select
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -20,10 +21,12 @@ import aiohttp
 from .._core.log import logger
 
 __all__ = [
+    "SESSION_REQUEST_METHOD",
     "TESTED_VERSIONS",
     "check_version",
     "disable_connection_retry",
     "drop_after_response",
+    "fail_body_on_connection_loss",
     "hook_new_connections",
     "session_middlewares",
     "set_session_middlewares",
@@ -35,6 +38,11 @@ __all__ = [
 TESTED_VERSIONS: frozenset[str] = frozenset({"3.12.15", "3.13.5", "3.14.5"})
 
 _WARNED: set[str] = set()
+
+# Where install() hooks every session, those created before it included: wrap this method at class level (wrapt:
+# module, name) to call `guard_session(self, ...)` before each request; only when `untested_version()` is None.
+# aiohttp reads the session's middlewares inside this method, after the wrapper has run.
+SESSION_REQUEST_METHOD = ("aiohttp.client", "ClientSession._request")
 
 
 def untested_version() -> str | None:
@@ -106,28 +114,90 @@ def hook_new_connections(connector: aiohttp.BaseConnector, hooks: ConnectionHook
         create.hooks = hooks
     else:
         connector._create_connection = _CreateConnection(create, hooks)  # type: ignore[method-assign]
+    if not isinstance(connector._get, _GetPooled):
+        connector._get = _GetPooled(connector, connector._get)  # type: ignore[method-assign]
     return None
 
 
 def unhook_new_connections(connector: aiohttp.BaseConnector) -> None:
-    if isinstance(connector.__dict__.get("_create_connection"), _CreateConnection):
-        del connector.__dict__["_create_connection"]
+    for name in ("_create_connection", "_get"):
+        if isinstance(connector.__dict__.get(name), (_CreateConnection, _GetPooled)):
+            del connector.__dict__[name]
+
+
+class _GetPooled:
+    """A connector's ``_get`` (hand out an idle pooled connection) that first discards idle connections whose
+    socket is readable: at end of file (the server closed it: llama-server after a stream or on a restart) or
+    holding stray bytes. aiohttp learns of a close only when its event loop next reads the socket, so a request
+    sent right after would be written to a dead connection; httpcore's pool makes the same check."""
+
+    __slots__ = ("connector", "get")
+
+    def __init__(self, connector: aiohttp.BaseConnector, get: Callable[..., Awaitable[Any]]) -> None:
+        self.connector = connector
+        self.get = get
+
+    async def __call__(self, key: Any, traces: Any) -> Any:
+        conns = self.connector._conns.get(key)
+        while conns:
+            protocol = conns[0][0]  # the one aiohttp hands out next
+            transport = protocol.transport
+            sock = transport.get_extra_info("socket") if transport is not None else None
+            if sock is None or not select.select([sock], [], [], 0)[0]:
+                break
+            conns.popleft()
+            protocol.close()
+        if conns is not None and not conns:
+            del self.connector._conns[key]
+        return await self.get(key, traces)
 
 
 # -- responses and sessions --------------------------------------------------------------------------------------
 
 
 def drop_after_response(response: aiohttp.ClientResponse) -> bool:
-    """Have the connection of ``response`` closed, instead of pooled, once its body is read; False when that
-    cannot be done (untested aiohttp, or no connection: the body is read already)."""
+    """Have the connection of ``response`` closed instead of pooled once its body is read; False when that cannot
+    be done (an untested aiohttp).
+
+    A body that had arrived whole by the time the headers were parsed has released its connection to the pool
+    already, inside ``response.start()``, with no await since: it is idle there, and closing it now is safe (the
+    pool discards a closed connection)."""
     if untested_version() is not None:
         return False
-    connection = response.connection
-    protocol = connection.protocol if connection is not None else None
+    protocol = response._protocol
     if protocol is None:
         return False
-    protocol.force_close()
+    if response.connection is not None:
+        protocol.force_close()
+    else:
+        protocol.close()
     return True
+
+
+def fail_body_on_connection_loss(response: aiohttp.ClientResponse) -> None:
+    """Make a read of ``response``'s body fail, rather than wait forever, if its connection is lost first.
+
+    aiohttp 3.14 drops a chunked body whose framing turns bad after the headers were handed out (a chunk size that
+    is not hex): it closes the connection but never fails the body, and a reader waits forever (its sock_read
+    timeout is dropped too). Only for a response whose connection is not reused (a llama stream), so that callbacks
+    do not pile up on a long-lived connection."""
+    if untested_version() is not None:
+        return
+    protocol = response._protocol
+    closed = protocol.closed if protocol is not None else None
+    if closed is None:
+        return
+    content = response.content
+
+    def on_closed(future: Any) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved: asyncio would log an unretrieved one
+        if not content.is_eof() and content.exception() is None:
+            content.set_exception(
+                aiohttp.ClientPayloadError("Response payload is not completed: the connection was closed")
+            )
+
+    closed.add_done_callback(on_closed)
 
 
 def disable_connection_retry(session: aiohttp.ClientSession) -> bool:

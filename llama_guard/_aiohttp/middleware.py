@@ -10,8 +10,11 @@ per-request result and the counters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -23,14 +26,36 @@ from .._core.policy import GuardPolicy
 from .._core.result import GuardResult
 from .._core.stats import GuardStats
 from .attempts import CURRENT_ATTEMPT, AiohttpRequest, request_body
-from .internals import drop_after_response
+from .internals import drop_after_response, fail_body_on_connection_loss
 
-__all__ = ["GuardMiddleware", "guard_result"]
+__all__ = ["GuardMiddleware", "guard_result", "request_options"]
 
 ClientHandler = Any  # aiohttp.ClientHandlerType: ClientRequest -> Awaitable[ClientResponse]
 
 # The guard's account of each response it handled; weak, so that it lives as long as the response.
 _RESULTS: weakref.WeakKeyDictionary[aiohttp.ClientResponse, GuardResult] = weakref.WeakKeyDictionary()
+
+
+# Per-request options: aiohttp requests have no extensions, so they ride on the calling task's context.
+_OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("llama_guard_options", default=None)
+
+
+@contextlib.contextmanager
+def request_options(**overrides: Any) -> Iterator[None]:
+    """Options for the guarded requests this task sends inside the block (``GuardPolicy`` fields, as httpx's
+    ``request.extensions["llama_guard"]``)::
+
+        with request_options(first_byte_timeout=2.0):
+            response = await session.post(...)
+
+    Unknown fields (or ``origins``, which belongs to the session) raise `ValueError` here, naming what is allowed.
+    """
+    GuardPolicy().merged(overrides)  # validates now, where the mistake is
+    token = _OPTIONS.set({**(_OPTIONS.get() or {}), **overrides})
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
 
 
 def guard_result(response: aiohttp.ClientResponse) -> GuardResult | None:
@@ -76,8 +101,10 @@ class GuardMiddleware:
             if not self.origins.is_llama(origin):
                 return await self._pass_through(request, handler, origin)
         started = time.monotonic()
+        overrides = _OPTIONS.get()
+        policy = self.policy if overrides is None else self.policy.merged(overrides)
         body, stream = await request_body(request)
-        run = AiohttpRequest(request, origin, self.policy, self.stats, body=body, stream=stream, started=started)
+        run = AiohttpRequest(request, origin, policy, self.stats, body=body, stream=stream, started=started)
         if run.close_connection:
             request.headers["Connection"] = "close"
         try:
@@ -93,8 +120,10 @@ class GuardMiddleware:
                 if run.may_retry:
                     response = await self._retry(run, handler, response)
             closing = run.close_connection
-            if not closing and self.policy.stream_mode != "off" and is_streaming_response(response.headers):
+            if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
                 closing = self._drop_after_stream(response)
+            if closing:
+                fail_body_on_connection_loss(response)
             _RESULTS[response] = run.result(closing)
             return response
         finally:
@@ -128,8 +157,11 @@ class GuardMiddleware:
         token = CURRENT_ATTEMPT.set(run)
         response: aiohttp.ClientResponse | None = None
         try:
-            with scope:
+            if scope is None:
                 response = await handler(run.aiohttp_request)
+            else:
+                with scope:
+                    response = await handler(run.aiohttp_request)
         except Exception as exc:
             run.attempt_failed(exc)
             raise
@@ -142,9 +174,10 @@ class GuardMiddleware:
             # A short error body, read so that the connection goes back to the pool, and so that the caller still
             # gets it whole if this was the last attempt.
             try:
-                await response.read()
-            finally:
-                response.release()
+                await response.read()  # at the end of the body aiohttp puts the connection back in the pool
+            except BaseException:
+                response.close()
+                raise
         return response
 
     async def _pass_through(

@@ -20,6 +20,7 @@ from .internals import (
     session_middlewares,
     set_session_middlewares,
     unhook_new_connections,
+    untested_version,
 )
 from .middleware import GuardMiddleware
 
@@ -67,7 +68,8 @@ def guard_session(
         return None
     guard = GuardMiddleware(policy=policy, stats=stats, origins=origins)
     set_session_middlewares(session, (guard, *session_middlewares(session)))
-    _adopt(session, guard)
+    # aiohttp's own resend stays on when some origins are not the guard's: their requests are left as they were.
+    _adopt(session, guard, own_resend_off=guard.origins.every_origin)
     return guard
 
 
@@ -88,8 +90,9 @@ def guard_of(session: aiohttp.ClientSession) -> GuardMiddleware | None:
     return _GUARDS.get(session)
 
 
-def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware) -> None:
-    """The guard's part of a guarded session: its connector probes, and aiohttp's own resend is off."""
+def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware, *, own_resend_off: bool = True) -> None:
+    """The guard's part of a guarded session: its connector probes, and aiohttp's own one-time resend of an
+    idempotent request is off (the guard's rules decide; aiohttp would resend what the guard gave up on)."""
     _GUARDS[session] = guard
     connector = session.connector
     if isinstance(connector, GuardConnector):
@@ -98,10 +101,10 @@ def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware) -> None:
         why = hook_new_connections(connector, ProbingHooks())
     else:
         why = "the session has no connector"
-    if not disable_connection_retry(session) and why is None:
+    if own_resend_off and not disable_connection_retry(session) and why is None:
         why = "aiohttp's own resend of idempotent requests stays on"
     if why is not None:
         guard.stats.public_path = why
-        if why not in _WARNED:
+        if why not in _WARNED and untested_version() is None:  # else the version gate has said it once
             _WARNED.add(why)
             logger.warning("llama_guard on an aiohttp session: %s", why)
