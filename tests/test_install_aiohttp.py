@@ -135,3 +135,21 @@ def test_other_origins_bytes_unchanged() -> None:
     assert wire_with == wire_without
     assert with_install == without
     assert installation.stats.snapshot().requests == 0
+
+
+def test_an_untested_aiohttp_is_left_alone_and_said_so(
+    racy_server: LlamaServerEmulator, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """install() wraps a private aiohttp method only on the versions it was tested with; otherwise one warning."""
+    monkeypatch.setattr(aiohttp, "__version__", "3.99.0-install-test")
+    installation = llama_guard.install(origins=[racy_server.url])
+    assert aiohttp.ClientSession.__dict__["_request"] is ORIGINAL_REQUEST
+    assert any("3.99.0-install-test" in r.getMessage() for r in caplog.records if r.name == "llama_guard")
+
+    async def scenario() -> None:
+        async with aiohttp.ClientSession() as session:
+            await alternate_streams(session, racy_server.url, 4)
+            assert guard_of(session) is None
+
+    asyncio.run(scenario())
+    assert installation.stats.snapshot().requests == 0

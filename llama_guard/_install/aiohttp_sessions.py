@@ -1,17 +1,18 @@
 """`install()` for aiohttp: every `aiohttp.ClientSession` gets the guard at its first request while installed.
 
-aiohttp has no transport class to wrap as httpx has: a session's requests all go through
-``ClientSession._request`` (``get``/``post``/``request`` call it; checked against the aiohttp versions of
-``llama_guard/_aiohttp/internals.py``, TESTED_VERSIONS). `install()` wraps that method; the wrapper hands the
-session, before its request starts, to `guard_session()` of ``llama_guard.aiohttp`` (its public API), which adds a
-`GuardMiddleware` for the installation's origins and probes the session's new connections. Sessions created
-before `install()` are covered at their next request, and so are sessions that other libraries build and keep to
-themselves (litellm's ``LiteLLMAiohttpTransport``, its ``hosted_vllm/`` route). Requests to other origins pass the
-middleware untouched. `uninstall()` takes the guard off every session it added it to.
+aiohttp has no transport class to wrap as httpx has: a session's requests all go through one private method,
+named in ``llama_guard/_aiohttp/internals.py`` (``SESSION_REQUEST_METHOD``, wrapped only on the aiohttp versions
+listed there). `install()` wraps that method; the wrapper hands the session, before its request starts, to
+`guard_session()` of ``llama_guard.aiohttp``, which adds a `GuardMiddleware` for the installation's origins and
+probes the session's new connections (aiohttp's own resend stays on: other origins are left as they were).
+Sessions created before `install()` are covered at their next request, and so are sessions that other libraries
+build and keep to themselves (litellm's ``LiteLLMAiohttpTransport``, its ``hosted_vllm/`` route). Requests to
+other origins pass the middleware untouched. `uninstall()` takes the guard off every session it added it to.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 import weakref
 from typing import Any
@@ -20,10 +21,19 @@ from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
 
-__all__ = ["AIOHTTP_METHOD", "InstalledSessions"]
+__all__ = ["InstalledSessions", "session_request_method"]
 
-# The one method every request of a session goes through (module, class, method).
-AIOHTTP_METHOD = ("aiohttp", "ClientSession", "_request")
+
+def session_request_method() -> tuple[type, str] | None:
+    """The session class and the name of the method to wrap; None on an aiohttp version the guard was not tested
+    with (one warning names it: sessions then stay unguarded by `install()`)."""
+    from .._aiohttp.internals import SESSION_REQUEST_METHOD, check_version  # imports aiohttp: only once it is in use
+
+    if check_version() is not None:
+        return None
+    module_name, qualified_name = SESSION_REQUEST_METHOD
+    class_name, _, method = qualified_name.rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name), method
 
 
 class InstalledSessions:

@@ -37,7 +37,7 @@ from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import is_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
-from .aiohttp_sessions import AIOHTTP_METHOD, InstalledSessions
+from .aiohttp_sessions import InstalledSessions, session_request_method
 
 __all__ = ["Installation", "install", "installation", "uninstall"]
 
@@ -180,7 +180,8 @@ _STATE_LOCK = threading.RLock()
 _current: Installation | None = None
 _handles: dict[_Target, Any] = {}  # target -> the wrapt wrapper installed on its class
 _hooked_modules: set[str] = set()  # post-import hooks cannot be removed: register each once, let them check state
-_aiohttp_handle: Any = None  # the wrapt wrapper on aiohttp's ClientSession._request, while installed
+_AIOHTTP = "aiohttp"
+_aiohttp_handle: tuple[type, str, Any] | None = None  # (class, method, wrapt wrapper) on aiohttp's sessions
 
 
 def install(*, origins: str | Sequence[str | Origin] | None = None, policy: GuardPolicy | None = None) -> Installation:
@@ -210,7 +211,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
         if _current is not None:
             _current._sessions.release()  # its sessions get the new settings at their next request
         _current = Installation(setting, policy)
-        for module in (*_MODULES, AIOHTTP_METHOD[0]):
+        for module in (*_MODULES, _AIOHTTP):
             if module not in _hooked_modules:
                 _hooked_modules.add(module)
                 wrapt.register_post_import_hook(_patch_module, module)  # runs now if already imported
@@ -232,10 +233,9 @@ def uninstall() -> None:
             _current._sessions.release()
         _current = None
         if _aiohttp_handle is not None:
-            module_name, class_name, method = AIOHTTP_METHOD
-            session_class = getattr(sys.modules[module_name], class_name)
+            session_class, method, handle = _aiohttp_handle
             with contextlib.suppress(wrapt.WrapperNotOutermostError):  # inert while nothing is installed
-                wrapt.unwrap_object(session_class, method, _aiohttp_handle, missing_ok=True)
+                wrapt.unwrap_object(session_class, method, handle, missing_ok=True)
                 _aiohttp_handle = None
         for target, handle in list(_handles.items()):
             module = importlib.import_module(target.module)
@@ -275,17 +275,18 @@ def _patch_module(module: Any) -> None:
         for target in _TARGETS:
             if target.module == module.__name__:
                 _patch_if_imported(target)
-        if module.__name__ == AIOHTTP_METHOD[0]:
+        if module.__name__ == _AIOHTTP:
             _patch_aiohttp_if_imported()
 
 
 def _patch_aiohttp_if_imported() -> None:
     global _aiohttp_handle
-    module_name, class_name, method = AIOHTTP_METHOD
-    module = sys.modules.get(module_name)
-    if _current is None or module is None or _aiohttp_handle is not None:
+    if _current is None or _AIOHTTP not in sys.modules or _aiohttp_handle is not None:
         return
-    _aiohttp_handle = wrapt.wrap_function_wrapper(getattr(module, class_name), method, _aiohttp_wrapper)
+    target = session_request_method()
+    if target is not None:
+        session_class, method = target
+        _aiohttp_handle = (session_class, method, wrapt.wrap_function_wrapper(session_class, method, _aiohttp_wrapper))
 
 
 def _aiohttp_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
