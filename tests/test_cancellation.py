@@ -42,9 +42,10 @@ from ._drivers import (
     close_driver,
     make_driver,
     on_every_client,
+    open_connections,
     open_fds,
-    pool_of,
     pool_problems,
+    pool_requests,
     run_bounded,
     wait_until,
 )
@@ -158,7 +159,7 @@ async def reached(point: str, server: LlamaServerEmulator, driver: Driver, victi
         await wait_until(lambda: driver.stats.retries == 1, timeout=EVENT_WAIT, what=point)
     elif point == "waiting-for-pool":
         # The pool's only connection serves another request (waiting for headers): this one is queued for it.
-        await wait_until(lambda: len(pool_of(driver)._requests) == 2, timeout=EVENT_WAIT, what=point)
+        await wait_until(lambda: pool_requests(driver) == 2, timeout=EVENT_WAIT, what=point)
     else:
         with anyio.fail_after(EVENT_WAIT):
             await victim.first_chunk.wait()
@@ -205,7 +206,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
             if point == "waiting-for-pool":
                 # The other request is untouched: still in flight on its connection.
                 assert holder.ended is None
-                assert len(pool_of(driver)._requests) == 1
+                assert pool_requests(driver) == 1
                 holder.scope.cancel()
         assert victim.ended is not None
         latency = victim.ended - cancelled
@@ -215,7 +216,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
 
         assert task_count() == tasks_before, "a task was left behind"
         assert pool_problems(driver) == []
-        assert [c for c in pool_of(driver).connections if not c.is_closed()] == [], "the pool kept a connection"
+        assert open_connections(driver) == [], "the pool kept a connection"
         await wait_until(
             lambda: client_sockets(server.port) == 0, timeout=EVENT_WAIT, what="the cancelled request's socket"
         )
@@ -295,6 +296,17 @@ def fd_targets() -> list[str]:
     ("point", "backend", "library_name"), on_every_client([(point, point) for point in POINTS], ("asyncio", "trio"))
 )
 def test_cancelled_request_leaves_nothing_behind(point: str, backend: str, library_name: str) -> None:
+    run_point(point, backend, library_name)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_cancelled_aiohttp_request_leaves_nothing_behind(point: str) -> None:
+    """The same points on an aiohttp session guarded by `llama_guard.aiohttp` (asyncio only)."""
+    pytest.importorskip("aiohttp")
+    run_point(point, "asyncio", "aiohttp")
+
+
+def run_point(point: str, backend: str, library_name: str) -> None:
     gc.collect()
     baseline = open_fds()
     server = LlamaServerEmulator(

@@ -3,7 +3,8 @@
 Each row of `CASES` is one fault (or server condition) and one kind of request, with the one outcome that is right
 for it under the guard's rules (docs/how-it-works.md): the complete, correct answer, or a given httpx error class
 within a deadline, and how many requests and completions the server saw. Every row runs on a sync, an asyncio and
-a trio client, with httpx and with httpx2, against the emulator on real loopback sockets.
+a trio client, with httpx and with httpx2, and on an aiohttp session (asyncio; `tests/_aiohttp_driver.py` maps the
+httpx error names to aiohttp's classes), against the emulator on real loopback sockets.
 
 After the outcome, every test also checks what the rules promise beyond it:
 
@@ -21,6 +22,7 @@ After the outcome, every test also checks what the rules promise beyond it:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import socket
@@ -636,6 +638,28 @@ def frozen_heap() -> Iterator[None]:
 
 @pytest.mark.parametrize(("case", "flavor", "library_name"), on_every_client([(case.id, case) for case in CASES]))
 def test_fault(case: Case, flavor: str, library_name: str) -> None:
+    run_case(case, flavor, library_name)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_fault_aiohttp(case: Case) -> None:
+    """The same rows on an aiohttp session (asyncio only), guarded by `llama_guard.aiohttp`; a plain-client row
+    expects what plain aiohttp does where that differs from plain httpx (`PLAIN_AIOHTTP`)."""
+    pytest.importorskip("aiohttp")
+    if case.id in PLAIN_AIOHTTP:
+        case = dataclasses.replace(case, expect=PLAIN_AIOHTTP[case.id])
+    run_case(case, "asyncio", "aiohttp")
+
+
+#: Plain-client rows where plain aiohttp fails otherwise than plain httpx (the guarded rows expect the same).
+PLAIN_AIOHTTP = {
+    # aiohttp does not check an idle connection's socket before reusing it: the request is written to the
+    # connection the stopped server closed, and fails at once (ServerDisconnectedError, ReadError's stand-in).
+    "refused-while-restarting/chat/unguarded": "ReadError",
+}
+
+
+def run_case(case: Case, flavor: str, library_name: str) -> None:
     env = Env(case)
     try:
         run_bounded(flavor, fault_scenario, case, flavor, library_name, env, deadline=HARD_DEADLINE, on_hang=env.stop)
