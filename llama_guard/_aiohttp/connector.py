@@ -20,7 +20,7 @@ import aiohttp
 from .._core.log import logger
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
-from .attempts import CURRENT_ATTEMPT, AiohttpRequest
+from .attempts import AiohttpRequest, current_run
 from .exceptions import ProbeError, ProbeTimeout, probe_error
 from .internals import ConnectionHooks, hook_new_connections
 
@@ -54,13 +54,13 @@ class ProbingHooks(ConnectionHooks):
         self.unprobeable: set[Origin] = set()
 
     def connecting(self, request: aiohttp.ClientRequest) -> None:
-        run = CURRENT_ATTEMPT.get()
-        if run is not None and run.aiohttp_request is request:
+        run = current_run(request)
+        if run is not None:
             run.connecting()
 
     async def connected(self, request: aiohttp.ClientRequest, transport: Any) -> None:
-        run = CURRENT_ATTEMPT.get()
-        if run is None or run.aiohttp_request is not request:
+        run = current_run(request)
+        if run is None:
             return  # a request the guard passes through, or another session's inside a guarded attempt
         # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
         if run.probing and request.proxy is None and run.origin not in self.unprobeable:
