@@ -138,8 +138,7 @@ class GuardMiddleware:
             run.attempt_failed(failure)
             return await self._guarded(run, handler, failure)
         if response.status in RETRIED_STATUSES:
-            run = first.guarded_run()
-            return await self._guarded(run, handler, await self._answered(run, response))
+            return await self._guarded(first.guarded_run(), handler, response)
         policy = first.policy
         closing = policy.stream_mode != "off" and is_streaming_response(response.headers)
         if closing:
@@ -155,7 +154,7 @@ class GuardMiddleware:
         self, run: AiohttpRequest, handler: ClientHandler, first: aiohttp.ClientResponse | Exception | None = None
     ) -> aiohttp.ClientResponse:
         """A request with an `AiohttpRequest`: its attempts, retries, result and counters. ``first``: the outcome of
-        its first attempt when that was sent already (judged), else None."""
+        its first attempt when that was sent already (a failure judged already), else None."""
         try:
             try:
                 if first is None:
@@ -163,7 +162,7 @@ class GuardMiddleware:
                 elif isinstance(first, Exception):
                     raise first
                 else:
-                    response = first
+                    response = await self._answered(run, first)
             except Exception as exc:
                 if not run.may_retry:
                     if run.verdict is not None:  # judged: the guard gives up, and says why
