@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 
-from .._core.log import logger
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
 from .attempts import AiohttpRequest, current_run
@@ -107,17 +106,8 @@ class ProbingHooks(ConnectionHooks):
         self, transport: asyncio.Transport, protocol: Any, run: AiohttpRequest, answer: ProbeAnswer
     ) -> None:
         _discard(transport, protocol)
-        if 200 <= answer.status < 300:
-            # A healthy server that closes after /health: probing it can never leave a usable connection.
+        if run.probe_closed(answer.status):
             self.unprobeable.add(run.origin)
-            logger.warning(
-                "%s closes connections after GET /health, so new connections cannot be probed; "
-                "probing disabled for this origin",
-                run.origin,
-            )
-        # Else llama-server answers 503 and closes while it loads a model: the server reads new connections, so
-        # this request's next attempts go unprobed and get the server's own answer (see the httpx transport).
-        run.server_reads_connections = True
         raise probe_error(
             ProbeError, run.aiohttp_request, f"{run.origin} answered GET /health with {answer.status} and closed"
         )
