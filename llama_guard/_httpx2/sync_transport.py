@@ -14,6 +14,7 @@ import httpcore2 as httpcore
 import httpx2 as httpx
 import tenacity
 
+from .._core.log import logger
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
