@@ -15,6 +15,7 @@ Two scenarios, each with plain httpx and with the guard, against a fresh in-proc
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TextIO
@@ -66,11 +67,12 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
         started = time.monotonic()
         stop_at = started + seconds
         answered = [False] * clients
+        stop = threading.Event()
 
         def client_job(number: int) -> Callable[[], None]:
             def run() -> None:
                 client, index = opened[number], 0
-                while time.monotonic() < stop_at:
+                while time.monotonic() < stop_at and not stop.is_set():
                     remaining = max(stop_at - time.monotonic(), 0.1)
                     if not send_one(client, CHAT, _body(index, False), row, timeout=remaining):
                         break
@@ -84,7 +86,7 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
             return run
 
         try:
-            run_threads([client_job(number) for number in range(clients)])
+            run_threads([client_job(number) for number in range(clients)], stop=stop)
         finally:
             for client in opened:
                 client.close()

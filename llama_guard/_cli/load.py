@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-__all__ = ["LoadRow", "proxy_load", "run_threads", "send_one"]
+__all__ = ["LoadRow", "join_stragglers", "proxy_load", "run_threads", "send_one"]
 
 
 @dataclass
@@ -100,19 +100,48 @@ def proxy_load(
     (a time.monotonic() value), so a slow server cannot stretch the load without bound."""
     counter = itertools.count()
     origin = time.monotonic()
+    stop = threading.Event()
 
     def worker() -> None:
-        while (index := next(counter)) < requests:
+        while not stop.is_set() and (index := next(counter)) < requests:
             if deadline is not None and time.monotonic() >= deadline:
                 return
             send_one(client, path, body_for(index), row, origin=origin)
 
-    run_threads([worker] * workers)
+    run_threads([worker] * workers, stop=stop)
 
 
-def run_threads(jobs: list[Callable[[], None]]) -> None:
-    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+def run_threads(jobs: list[Callable[[], None]], *, stop: threading.Event | None = None) -> None:
+    """Run ``jobs`` in threads and wait for them. On Ctrl-C, ``stop`` is set (jobs should check it between
+    requests) and the interrupt goes on to the caller, whose ``with`` blocks close the client and the server
+    under the threads: what those threads then raise is the interruption's echo, not an error, and stays quiet."""
+    stop = stop if stop is not None else threading.Event()
+
+    def quiet(job: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                job()
+            except BaseException:
+                if not stop.is_set():
+                    raise
+
+        return run
+
+    threads = [threading.Thread(target=quiet(job), daemon=True, name="llama-guard-load") for job in jobs]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    try:
+        for thread in threads:
+            thread.join()
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+
+
+def join_stragglers(budget: float = 2.0) -> list[threading.Thread]:
+    """Wait up to ``budget`` seconds for this process's other threads to end; the ones still running."""
+    deadline = time.monotonic() + budget
+    others = [thread for thread in threading.enumerate() if thread is not threading.current_thread()]
+    for thread in others:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return [thread for thread in others if thread.is_alive()]
