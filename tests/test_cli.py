@@ -4,13 +4,21 @@ doctor and watch are driven end to end in tests/test_doctor.py and tests/test_wa
 
 from __future__ import annotations
 
+import io
+import itertools
+import re
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import pytest
 
 from llama_guard._cli.demo import demo_rows, format_table
+from llama_guard._cli.load import LoadRow, proxy_load, run_threads
 from llama_guard._cli.main import COMMANDS, main
+from llama_guard.testing import LlamaServerEmulator
 
 
 def test_demo_shows_the_defects_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,3 +109,35 @@ def test_bad_arguments_are_clear_errors(argv: list[str], message: str, capsys: p
     assert "error:" in err
     assert message in err
     assert "invalid _" not in err  # never the name of our own parsing function
+
+
+def test_long_waits_show_progress_every_few_seconds() -> None:
+    """run_threads calls its tick while the jobs run (here every 50 ms, until the third tick lets them end)."""
+    release = threading.Event()
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(time.monotonic())
+        if len(ticks) == 3:
+            release.set()
+
+    run_threads([lambda: release.wait(10)] * 4, tick=tick, every=0.05)
+    assert len(ticks) == 3
+    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(ticks))
+
+
+def test_the_load_reports_its_progress_on_the_given_stream() -> None:
+    """A load that lasts over 2 s (a slow emulator) prints "N s: K of M requests, L lost" lines."""
+    progress = io.StringIO()
+    row = LoadRow("pooled load", "plain httpx")
+    with (
+        LlamaServerEmulator(token_interval=0.05, n_tokens=20, parallel=4) as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        body = {"messages": [], "max_tokens": 20, "stream": False}
+        proxy_load(
+            client, row, requests=12, workers=4, path="/v1/chat/completions", body_for=lambda _: body, progress=progress
+        )
+    lines = progress.getvalue().splitlines()
+    assert lines, "no progress during a load of about 3 s"
+    assert all(re.fullmatch(r" +\d+ s: \d+ of 12 requests, \d+ lost", line) for line in lines), lines

@@ -15,6 +15,7 @@ import json
 import socket
 import time
 from dataclasses import replace
+from typing import TextIO
 
 import httpx
 
@@ -220,13 +221,20 @@ def keepalive_check(
         return replace(check, after="open", reuse=f"answered {answer.status}")
 
 
-def burst_check(target: Target, connections: int, timeout: float) -> BurstCheck:
+def burst_check(target: Target, connections: int, timeout: float, progress: TextIO | None = None) -> BurstCheck:
     """Open ``connections`` connections at once, send ``GET /health`` on each, and time every first byte; up to
     ``BURST_ROUNDS`` bursts, stopping at the first in which a connection stalls."""
     request = f"GET {target.path('/health')} HTTP/1.1\r\nHost: {target.host_header}\r\n\r\n".encode()
     rounds: list[BurstRound] = []
     for number in range(BURST_ROUNDS):
         if number:
+            if progress is not None:
+                print(
+                    f"      burst {number} of up to {BURST_ROUNDS}: every connection answered; next burst in "
+                    f"{BURST_PAUSE:g} s (the server's extra threads must exit first) ...",
+                    file=progress,
+                    flush=True,
+                )
             time.sleep(BURST_PAUSE)
         try:
             socks = open_burst(target.host, target.port, connections, timeout=timeout)
@@ -249,7 +257,14 @@ def burst_check(target: Target, connections: int, timeout: float) -> BurstCheck:
 
 
 def load_check(
-    target: Target, *, guarded: bool, requests: int, timeout: float, max_tokens: int, api_key: str | None
+    target: Target,
+    *,
+    guarded: bool,
+    requests: int,
+    timeout: float,
+    max_tokens: int,
+    api_key: str | None,
+    progress: TextIO | None = None,
 ) -> LoadRow:
     """The proxy-like load: ``LOAD_WORKERS`` threads share one client with ``LOAD_CONNECTIONS`` connections,
     every second request streamed; with plain httpx or with the guard."""
@@ -271,5 +286,6 @@ def load_check(
             path=CHAT,
             body_for=lambda index: chat_body(stream=index % 2 == 1, max_tokens=max_tokens),
             deadline=time.monotonic() + LOAD_BUDGET,
+            progress=progress,
         )
     return row

@@ -74,6 +74,7 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
         check_report_path(options.report)
     api_key = options.api_key if options.api_key is not None else os.environ.get("LLAMA_API_KEY") or None
     run = DoctorRun(target, started=time.monotonic())
+    progress = None if options.quiet else err
     steps: list[tuple[str, Callable[[], None]]] = []
 
     def step(title: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -111,17 +112,17 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
 
         @step(f"pooled load with plain httpx: {options.requests} requests")
         def _plain() -> None:
-            run.plain = _load(options, target, api_key, guarded=False)
+            run.plain = _load(options, target, api_key, guarded=False, progress=progress)
 
         @step(f"pooled load with the guard: {options.requests} requests")
         def _guard() -> None:
-            run.guard = _load(options, target, api_key, guarded=True)
+            run.guard = _load(options, target, api_key, guarded=True, progress=progress)
 
     if options.burst:
 
         @step(f"burst: {options.burst} connections opened at once, GET /health on each")
         def _burst() -> None:
-            run.burst = burst_check(target, options.burst, options.timeout)
+            run.burst = burst_check(target, options.burst, options.timeout, progress)
 
     for number, (title, function) in enumerate(steps, 1):
         if not options.quiet:
@@ -145,7 +146,9 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     return code
 
 
-def _load(options: DoctorOptions, target: Target, api_key: str | None, *, guarded: bool) -> LoadRow:
+def _load(
+    options: DoctorOptions, target: Target, api_key: str | None, *, guarded: bool, progress: TextIO | None
+) -> LoadRow:
     return load_check(
         target,
         guarded=guarded,
@@ -153,6 +156,7 @@ def _load(options: DoctorOptions, target: Target, api_key: str | None, *, guarde
         timeout=options.timeout,
         max_tokens=options.max_tokens,
         api_key=api_key,
+        progress=progress,
     )
 
 
