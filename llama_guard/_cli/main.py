@@ -104,7 +104,9 @@ exit status: 0 every defect examined and found absent, 1 affected by a defect, 2
 unreachable, no llama-server found, timeout), 3 no defect found but at least one could not be told,
 130 interrupted (Ctrl-C).""",
     )
-    doctor.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080 (a path is a prefix)")
+    doctor.add_argument(
+        "url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080, or a URL under it such as its /v1 base URL"
+    )
     doctor.add_argument(
         "--requests", type=_count, default=100, help="requests of the pooled load, per client kind (100; 0: skip)"
     )
