@@ -311,7 +311,8 @@ def _write_png(run: DoctorRun, path: Path) -> None:
     figure.suptitle(f"llama-guard doctor {run.target.url}\n{verdicts}", fontsize=10)
     for axes, chart in zip(axes_list, charts, strict=False):
         ceiling = max([v for s in chart.series for _, v in s.points if v is not None] + [0.001])
-        top = max(ceiling, chart.line[0] if chart.line else 0.0) * 1.15
+        # A fixed axis (the burst's window) ends just above it, where the crosses for "no answer" go.
+        top = chart.y_top * 1.06 if chart.y_top is not None else ceiling * 1.15
         for number, series in enumerate(chart.series):
             colour = _SERIES_COLOURS[number % len(_SERIES_COLOURS)]
             answered = [(x, v) for x, v in series.points if v is not None]
