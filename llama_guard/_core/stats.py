@@ -23,7 +23,10 @@ _LOG_GROWTH = math.log(_GROWTH)
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
-    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact."""
+    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact.
+
+    False when it holds no samples, so ``snap.first_byte.max if snap.first_byte else None`` reads as it says.
+    """
 
     count: int
     max: float
@@ -33,7 +36,11 @@ class LatencySummary:
     p999: float
     mean: float
 
+    def __bool__(self) -> bool:
+        return self.count > 0
+
     def as_dict(self) -> dict[str, float]:
+        """Plain data for JSON and logs."""
         return {name: getattr(self, name) for name in self.__slots__}
 
 
@@ -222,6 +229,6 @@ class GuardStats:
         return (
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "
-            f"stall_reconnects={snap.stall_reconnects} streams_closed={snap.stream_connections_closed} "
+            f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
             f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} errors={snap.errors}{latency}>"
         )
