@@ -3,11 +3,14 @@ and exits 0 only when the guard lost nothing. The FastAPI proxy has its own test
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from llama_guard.testing import LlamaServerEmulator
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 STANDALONE = sorted(
@@ -92,3 +95,23 @@ def test_an_example_without_its_extra_names_it_and_exits_2(name: str) -> None:
     assert f"pip install -e '.[{extra}]'" in lines[0]
     assert module in lines[0]
     assert process.stdout == ""
+
+
+def test_plain_httpx_example_shows_defect_1_on_the_deterministic_emulator() -> None:
+    """docs/testing.md, "Both defects, every time": pointed at `--stream-close on_reuse --stall-burst 16`, the
+    example's plain client loses 9 of its 20 requests (every request after a stream but the last) and the guard none."""
+    with LlamaServerEmulator(stream_close="on_reuse", stall_burst=16) as server:
+        process = subprocess.run(
+            [sys.executable, str(EXAMPLES / "plain_httpx.py")],
+            env={**os.environ, "LLAMA_URL": server.url},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        dropped = server.stats().requests_dropped_after_stream
+    assert process.returncode == 0, process.stdout + process.stderr
+    lines = process.stdout.splitlines()
+    assert lines[0].startswith("plain httpx: 9 of 20 requests failed"), process.stdout
+    assert lines[1].startswith("llama_guard: 0 of 20 requests failed"), process.stdout
+    assert dropped == 9
