@@ -98,8 +98,9 @@ def test_an_example_without_its_extra_names_it_and_exits_2(name: str) -> None:
 
 
 def test_plain_httpx_example_shows_defect_1_on_the_deterministic_emulator() -> None:
-    """docs/testing.md, "Both defects, every time": pointed at `--faulty` (`--stream-close on_reuse --stall-burst 16`), the
-    example's plain client loses 9 of its 20 requests (every request after a stream but the last) and the guard none."""
+    """docs/testing.md, "Both defects, every time": pointed at `--faulty` (`--stream-close on_reuse
+    --stall-burst 16`), the example's plain client loses 9 of its 20 requests (every request after a stream but the
+    last) and the guard none."""
     with LlamaServerEmulator(stream_close="on_reuse", stall_burst=16) as server:
         process = subprocess.run(
             [sys.executable, str(EXAMPLES / "plain_httpx.py")],

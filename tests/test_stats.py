@@ -86,6 +86,7 @@ def test_an_empty_distribution_is_false_and_the_repr_names_the_attributes() -> N
     assert not snap.first_byte  # `snap.first_byte.max if snap.first_byte else None` gives None
     assert snap.first_byte is not None
     assert snap.first_byte.count == 0
+    assert snap.as_dict()["first_byte"]["count"] == 0  # as_dict() keeps the empty summary
     stats.record_request(attempts=1, first_byte=0.25, closed_by_header=True)
     snap = stats.snapshot()
     assert snap.first_byte

@@ -137,8 +137,9 @@ class StatsSnapshot:
             )
         }
         data["errors"] = dict(self.errors)
-        data["first_byte"] = self.first_byte.as_dict() if self.first_byte else None
-        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency else None
+        # `is not None`: an empty summary is false, and still a summary (count 0).
+        data["first_byte"] = self.first_byte.as_dict() if self.first_byte is not None else None
+        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency is not None else None
         data["public_path"] = self.public_path
         return data
 
