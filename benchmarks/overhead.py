@@ -47,9 +47,14 @@ When guard/bare is above the target (1.03) the guard's hot path is profiled (or 
   fallback's trace callback alone (`_SyncTracer`, x10 events); and httpcore's own cost of a set ``trace``
   extension (the five `Trace` blocks of a request, no-op callback vs none).
 
+The aiohttp row (``llama_guard.aiohttp``): `guarded_session()` (middleware and `GuardConnector`) against a bare
+``aiohttp.ClientSession`` (with its own ``TCPConnector``), same server, same requests, same blocks; it has no
+httpx-retries column.
+
 Usage::
 
     python benchmarks/overhead.py                       # 1,200 blocks of 20 requests per variant and client kind
+    python benchmarks/overhead.py --only aiohttp        # one client kind alone (sync, asyncio or aiohttp)
     python benchmarks/overhead.py --blocks 3000 --profile
     python benchmarks/overhead.py --instructions        # the repeatable counts alone (about 4 minutes)
     python benchmarks/overhead.py --large-bodies-only   # the large-body rows alone (about a minute)
@@ -201,6 +206,43 @@ def run_sync(client: httpx.Client, n: int, *, gc_off: bool = False) -> tuple[flo
         gc.enable()
 
 
+AIOHTTP_VARIANTS = ("bare", "bare, control", "guard")
+
+
+async def run_aiohttp(session: Any, n: int) -> tuple[float, float]:
+    gc.collect()
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        async with session.post(PATH, json=BODY) as response:
+            await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"unexpected status {response.status}")
+    return (time.perf_counter() - started) / n, (time.thread_time() - cpu_started) / n
+
+
+async def measure_aiohttp(url: str, rounds: int, requests: int, warmup: int) -> Measured:
+    """Interleaved rounds (blocks) of a bare `aiohttp.ClientSession` and `llama_guard.aiohttp.guarded_session()`."""
+    import aiohttp
+
+    from llama_guard.aiohttp import guarded_session
+
+    sessions = {
+        v: guarded_session(url) if v == "guard" else aiohttp.ClientSession(url, connector=aiohttp.TCPConnector())
+        for v in AIOHTTP_VARIANTS
+    }
+    try:
+        for session in sessions.values():
+            await run_aiohttp(session, warmup)
+        results = Measured.empty(AIOHTTP_VARIANTS)
+        for r in range(rounds):
+            for variant in rotated(AIOHTTP_VARIANTS, r):
+                results.add(variant, await run_aiohttp(sessions[variant], requests))
+        return results
+    finally:
+        for session in sessions.values():
+            await session.close()
+
+
 async def run_async(client: httpx.AsyncClient, n: int) -> tuple[float, float]:
     gc.collect()
     started, cpu_started = time.perf_counter(), time.thread_time()
@@ -290,15 +332,16 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
     rows = []
     for kind, measured in by_kind.items():
         for metric, results in (("wall", measured.wall), ("client CPU", measured.cpu)):
+            retries = "httpx-retries" in results  # not for aiohttp
             rows.append(
                 [
                     kind,
                     metric,
                     us(median(results["bare"])),
                     us(median(results["guard"])),
-                    us(median(results["httpx-retries"])),
+                    us(median(results["httpx-retries"])) if retries else "-",
                     ratio_cell(ratios(results, "guard", "bare")),
-                    ratio_cell(ratios(results, "guard", "httpx-retries")),
+                    ratio_cell(ratios(results, "guard", "httpx-retries")) if retries else "-",
                     ratio_cell(ratios(results, "bare, control", "bare")),
                 ]
             )
@@ -866,6 +909,12 @@ def main(argv: list[str] | None = None) -> int:
         "--large-bodies-only", action="store_true", help="only the large-body rows (2 MB and 6 MB request bodies)"
     )
     parser.add_argument("--large-blocks", type=int, default=40, help="blocks for the large-body rows (default 40)")
+    parser.add_argument(
+        "--only",
+        choices=("sync", "asyncio", "aiohttp"),
+        action="append",
+        help="measure only this client kind (repeatable; default: all three)",
+    )
     instructions = parser.add_mutually_exclusive_group()
     instructions.add_argument(
         "--instructions",
@@ -882,7 +931,8 @@ def main(argv: list[str] | None = None) -> int:
         kind, variant, requests = args.instructions_child
         count_child(kind, variant, int(requests))
         return 0
-    valgrind = None if args.no_instructions else shutil.which("valgrind")
+    # The counts cover the httpx clients: not with --only.
+    valgrind = None if args.no_instructions or args.only else shutil.which("valgrind")
     if args.instructions and valgrind is None:
         parser.error("--instructions needs valgrind (not found on PATH)")
 
@@ -904,11 +954,17 @@ def main(argv: list[str] | None = None) -> int:
         f"httpx {httpx.__version__}, llama_guard {llama_guard.__version__}; {args.blocks} interleaved blocks x "
         f"{args.block} requests per variant, {args.warmup} warm-up; keep-alive server in its own process"
     )
+    only = set(args.only or ("sync", "asyncio", "aiohttp"))
     with keepalive_server() as url:
-        by_kind: dict[str, Measured] = {
-            "sync httpx.Client": measure_sync(url, VARIANTS, args.blocks, args.block, args.warmup),
-            "asyncio httpx.AsyncClient": asyncio.run(measure_async(url, args.blocks, args.block, args.warmup)),
-        }
+        by_kind: dict[str, Measured] = {}
+        if "sync" in only:
+            by_kind["sync httpx.Client"] = measure_sync(url, VARIANTS, args.blocks, args.block, args.warmup)
+        if "asyncio" in only:
+            by_kind["asyncio httpx.AsyncClient"] = asyncio.run(measure_async(url, args.blocks, args.block, args.warmup))
+        if "aiohttp" in only:
+            by_kind["asyncio aiohttp.ClientSession"] = asyncio.run(
+                measure_aiohttp(url, args.blocks, args.block, args.warmup)
+            )
         print()
         print(
             "Per-request cost, median of blocks; ratios are medians of per-block ratios with a 95% confidence "
@@ -926,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(
             median(ratios(getattr(m, attr), "guard", "bare")) for m in by_kind.values() for attr in ("wall", "cpu")
         )
-        if worst > TARGET or args.profile:
+        if (worst > TARGET or args.profile) and "sync httpx.Client" in by_kind:
             print()
             print(profile(PROFILE_ROUNDS, PROFILE_REQUESTS, median(by_kind["sync httpx.Client"].wall["bare"])))
     print()

@@ -13,6 +13,7 @@ from llama_guard._cli.demo import demo_rows, format_table
 from llama_guard._cli.main import COMMANDS, main
 
 
+@pytest.mark.slow  # the whole demo, 15 s or more
 def test_demo_shows_the_defects_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     """Plain httpx loses requests and leaves burst connections stuck; the guard does neither."""
     rows = {(row.scenario, row.client): row for row in demo_rows(requests=200, clients=16, seconds=2.0)}

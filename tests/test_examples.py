@@ -24,6 +24,7 @@ def test_every_example_is_covered() -> None:
     )
 
 
+@pytest.mark.slow  # an interpreter per example, 2 to 9 s each
 @pytest.mark.parametrize("name", STANDALONE)
 def test_example_runs(name: str) -> None:
     process = subprocess.run(
@@ -79,6 +80,7 @@ def test_every_example_declares_what_it_needs() -> None:
         assert expected in docstring, name
 
 
+@pytest.mark.slow  # an interpreter per example, about a second each
 @pytest.mark.parametrize("name", [name for name, needs in EXTRAS.items() if needs])
 def test_an_example_without_its_extra_names_it_and_exits_2(name: str) -> None:
     extra, module = EXTRAS[name]  # type: ignore[misc]
@@ -97,6 +99,7 @@ def test_an_example_without_its_extra_names_it_and_exits_2(name: str) -> None:
     assert process.stdout == ""
 
 
+@pytest.mark.slow  # an interpreter
 def test_plain_httpx_example_shows_defect_1_on_the_deterministic_emulator() -> None:
     """docs/testing.md, "Both defects, every time": pointed at `--faulty` (`--stream-close on_reuse
     --stall-burst 16`), the example's plain client loses 9 of its 20 requests (every request after a stream but the

@@ -378,6 +378,7 @@ def test_64_streaming_clients_1024_requests_through_the_guarded_proxy(start_prox
 CONTROL_REQUESTS = 256
 
 
+@pytest.mark.slow  # 256 requests through a uvicorn subprocess
 def test_without_the_guard_the_same_proxy_loses_requests(start_proxy: StartProxy) -> None:
     """The control: the same proxy with ``LLAMA_GUARD_DISABLE=1`` under the same load (smaller) loses requests to
     the connections llama-server closes after a stream. Its clients get 502s, never a traceback."""
@@ -410,6 +411,7 @@ def test_without_the_guard_the_same_proxy_loses_requests(start_proxy: StartProxy
     proxy.assert_no_traceback()
 
 
+@pytest.mark.slow  # the script's whole demo in a subprocess
 def test_the_script_runs_its_own_demo() -> None:
     """``python examples/fastapi_proxy.py --demo``: the emulator, the proxy and 64 clients in one process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_")}
@@ -525,6 +527,7 @@ def slot_progress(server: LlamaServerEmulator) -> int:
     return max(int(slot["next_token"]["n_decoded"]) for slot in response.json())
 
 
+@pytest.mark.slow  # fills socket buffers against a slow reader
 @pytest.mark.parametrize("then", ["reads-on", "leaves"])
 def test_a_slow_client_slows_the_upstream_instead_of_filling_the_proxy(start_proxy: StartProxy, then: str) -> None:
     """A client that stops reading: the proxy stops reading upstream, and llama-server stops generating once the

@@ -222,6 +222,7 @@ async def slow_pair(flavor: str, url: str) -> object:
     return driver
 
 
+@pytest.mark.slow  # two 1 s completions, one after the other
 def test_slow_healthy_requests_are_not_cut_or_repeated(flavor: str) -> None:
     """One slot, two 1 s completions: the second waits 1 s for its headers; defaults must not cut it."""
     with LlamaServerEmulator(parallel=1, token_interval=0.05, http_threads=8) as server:

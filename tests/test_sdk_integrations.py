@@ -93,6 +93,7 @@ def test_openai_with_a_guarded_http_client(server: LlamaServerEmulator) -> None:
     assert stats.stream_connections_closed == 2
 
 
+@pytest.mark.slow  # imports pydantic-ai, seconds
 def test_pydantic_ai_agent_through_install(server: LlamaServerEmulator) -> None:
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel

@@ -191,7 +191,10 @@ def _leaks(texts: list[str]) -> list[str]:
     return [needle for needle in NEEDLES if any(needle in text for text in texts)]
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
+# Seconds per flavour: the fast core runs an asyncio httpx2 client, the full suite every flavour.
+@pytest.mark.parametrize(
+    "flavor", [pytest.param(f, marks=() if f == "httpx2-asyncio" else pytest.mark.slow) for f in FLAVORS]
+)
 def test_no_log_record_or_error_carries_a_body_credential_or_api_key(
     flavor: str, caplog: pytest.LogCaptureFixture
 ) -> None:

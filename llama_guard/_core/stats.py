@@ -120,6 +120,9 @@ class StatsSnapshot:
     # Why the guard follows requests through httpcore's public trace extension instead of its hooks on the pool
     # (an httpcore/httpx version it was not tested with, or a pool out of reach); None when the hooks are in place.
     public_path: str | None = None
+    # Why new connections are not probed although the policy asks for it (the wrapped transport sends without
+    # httpcore, so the guard cannot reach its connections); None while probing works or is off by policy.
+    probing_off: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
@@ -141,6 +144,7 @@ class StatsSnapshot:
         data["first_byte"] = self.first_byte.as_dict() if self.first_byte is not None else None
         data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency is not None else None
         data["public_path"] = self.public_path
+        data["probing_off"] = self.probing_off
         return data
 
 
@@ -156,6 +160,7 @@ class GuardStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
+        self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
         self.reset()
 
     def reset(self) -> None:
@@ -221,15 +226,17 @@ class GuardStats:
                 first_byte=self.first_byte.summary(),
                 probe_latency=self.probe_latency.summary(),
                 public_path=self.public_path,
+                probing_off=self.probing_off,
             )
 
     def __repr__(self) -> str:
         snap = self.snapshot()
         fb = snap.first_byte
         latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
+        probing = " probing=off" if snap.probing_off is not None else ""
         return (
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "
             f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
-            f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} errors={snap.errors}{latency}>"
+            f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed}{probing} errors={snap.errors}{latency}>"
         )
