@@ -9,7 +9,11 @@ fast threads wake (``stall_burst``). The server counts both (``requests_dropped_
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +38,54 @@ def stalling_server() -> Iterator[LlamaServerEmulator]:
     served connection closes (or ``release_stalled()``); later connections, a client's reconnects, are served."""
     with LlamaServerEmulator(http_threads=BURST_THREADS, stall_burst=BURST_SIZE) as server:
         yield server
+
+
+# -- the version matrix: packages the `test` extra does not install everywhere ---------------------------------
+
+#: Packages that only some environments have: httpx2 (and all built on it) needs Python 3.11+, and the frameworks and
+#: SDKs come with the `dev` extra only.
+OPTIONAL_PACKAGES = frozenset(
+    {"httpx2", "httpcore2", "openai", "pydantic_ai", "litellm", "haystack", "langchain_openai", "huggingface_hub"}
+)
+#: scripts/version_matrix.py sets it: there a test module that imports a missing optional package is not collected,
+#: and the report header names each such module. Anywhere else a missing package fails the run, as it should.
+PARTIAL_DEPS = os.environ.get("LLAMA_GUARD_PARTIAL_DEPS") == "1"
+_NOT_COLLECTED: dict[str, str] = {}
+
+
+def _missing_imports(path: Path, seen: frozenset[Path] = frozenset()) -> list[str]:
+    """The optional packages ``path`` imports at module level (following this suite's own relative imports) that
+    are not installed."""
+    missing: list[str] = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.ImportFrom) and node.level and node.module:
+            local = path.parents[node.level - 1] / (node.module.replace(".", "/") + ".py")
+            if local.is_file() and local not in seen:
+                missing += _missing_imports(local, seen | {path})
+            continue
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top in OPTIONAL_PACKAGES and importlib.util.find_spec(top) is None:
+                missing.append(top)
+    return missing
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    if not PARTIAL_DEPS or collection_path.suffix != ".py" or not collection_path.name.startswith(("test_", "_")):
+        return None
+    missing = _missing_imports(collection_path)
+    if not missing:
+        return None
+    _NOT_COLLECTED[str(collection_path.relative_to(config.rootpath))] = ", ".join(sorted(set(missing)))
+    return True
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for module, missing in sorted(_NOT_COLLECTED.items()):
+        terminalreporter.write_line(f"not collected (LLAMA_GUARD_PARTIAL_DEPS, {missing} not installed): {module}")

@@ -309,3 +309,27 @@ def test_the_install_hook_guards_sessions_made_before_it(
     assert stats.requests == 20
     assert stats.stream_connections_closed == 10
     assert racy_server.stats().completions_started == 20
+
+
+def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog: pytest.LogCaptureFixture) -> None:
+    """As for httpx: a server that closes every connection after one answer cannot be probed; the guard says so
+    once (the decision is _core's `RequestState.probe_closed`) and stops probing it; requests still succeed."""
+
+    async def scenario(url: str) -> tuple[list[object], GuardStats]:
+        async with guard_aiohttp.guarded_session(url) as session:
+            results = []
+            for _ in range(2):
+                async with session.post(CHAT, json=chat(stream=False)) as response:
+                    await response.read()
+                    assert response.status == 200
+                    results.append(guard_aiohttp.guard_result(response))
+            guard = guard_aiohttp.guard_of(session)
+            assert guard is not None
+            return results, guard.stats
+
+    with caplog.at_level(logging.WARNING, logger="llama_guard"), LlamaServerEmulator(keepalive_max=1) as server:
+        results, stats = asyncio.run(scenario(server.url))
+        assert server.stats().completions_started == 2
+    assert [r.attempts for r in results] == [2, 1]  # type: ignore[attr-defined]
+    assert stats.probes_sent == 1
+    assert "probing disabled for this origin" in caplog.text

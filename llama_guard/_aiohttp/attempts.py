@@ -21,7 +21,7 @@ from .._core.request_state import RequestState
 from .._core.stats import GuardStats
 from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error
 
-__all__ = ["CURRENT_ATTEMPT", "AiohttpRequest", "request_body"]
+__all__ = ["CURRENT_ATTEMPT", "AiohttpRequest", "FirstAttempt", "current_run", "request_body"]
 
 
 async def request_body(request: aiohttp.ClientRequest) -> tuple[bytes | None, bool]:
@@ -133,8 +133,55 @@ def error_text(exc: BaseException) -> str:
     return without_quoted_values(str(exc))
 
 
+class FirstAttempt:
+    """A request's first attempt while it has needed nothing but its body: most requests are answered by it on a
+    pooled connection and need no `AiohttpRequest` (most of the guard's work per request). Keeps what one is built
+    from, and builds it when something needs it (`guarded_run`): the connector hooks for a new connection, or the
+    middleware on a failure or a 503/429; the run then carries on as if it had been there from the start."""
+
+    __slots__ = ("body", "origin", "policy", "request", "run", "started", "stats", "stream")
+
+    def __init__(
+        self,
+        request: aiohttp.ClientRequest,
+        origin: Origin | None,
+        policy: GuardPolicy,
+        stats: GuardStats,
+        body: bytes,
+        stream: bool,
+        started: float,
+    ) -> None:
+        self.request, self.origin, self.policy, self.stats = request, origin, policy, stats
+        self.body, self.stream, self.started = body, stream, started
+        self.run: AiohttpRequest | None = None
+
+    def guarded_run(self) -> AiohttpRequest:
+        run = self.run
+        if run is None:
+            run = self.run = AiohttpRequest(
+                self.request,
+                self.origin,
+                self.policy,
+                self.stats,
+                body=self.body,
+                stream=self.stream,
+                started=self.started,
+            )
+            run.begin_attempt()  # this attempt, counted; no deadline (a first attempt sent as it is has none)
+        return run
+
+
+def current_run(request: aiohttp.ClientRequest) -> AiohttpRequest | None:
+    """The guarded request of this task's attempt, if ``request`` is it (for the connector hooks)."""
+    attempt = CURRENT_ATTEMPT.get()
+    if attempt is None:
+        return None
+    run = attempt.guarded_run() if isinstance(attempt, FirstAttempt) else attempt
+    return run if run.aiohttp_request is request else None
+
+
 # The guarded request whose attempt runs in this task, for the connector hooks (connector.py): set by the
 # middleware around each attempt, inside which aiohttp's connector makes any new connection.
-CURRENT_ATTEMPT: contextvars.ContextVar[AiohttpRequest | None] = contextvars.ContextVar(
+CURRENT_ATTEMPT: contextvars.ContextVar[AiohttpRequest | FirstAttempt | None] = contextvars.ContextVar(
     "llama_guard_aiohttp_attempt", default=None
 )

@@ -17,10 +17,9 @@ from typing import Any
 
 import aiohttp
 
-from .._core.log import logger
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
-from .attempts import CURRENT_ATTEMPT, AiohttpRequest
+from .attempts import AiohttpRequest, current_run
 from .exceptions import ProbeError, ProbeTimeout, probe_error
 from .internals import ConnectionHooks, hook_new_connections
 
@@ -54,13 +53,13 @@ class ProbingHooks(ConnectionHooks):
         self.unprobeable: set[Origin] = set()
 
     def connecting(self, request: aiohttp.ClientRequest) -> None:
-        run = CURRENT_ATTEMPT.get()
-        if run is not None and run.aiohttp_request is request:
+        run = current_run(request)
+        if run is not None:
             run.connecting()
 
     async def connected(self, request: aiohttp.ClientRequest, transport: Any) -> None:
-        run = CURRENT_ATTEMPT.get()
-        if run is None or run.aiohttp_request is not request:
+        run = current_run(request)
+        if run is None:
             return  # a request the guard passes through, or another session's inside a guarded attempt
         # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
         if run.probing and request.proxy is None and run.origin not in self.unprobeable:
@@ -107,17 +106,8 @@ class ProbingHooks(ConnectionHooks):
         self, transport: asyncio.Transport, protocol: Any, run: AiohttpRequest, answer: ProbeAnswer
     ) -> None:
         _discard(transport, protocol)
-        if 200 <= answer.status < 300:
-            # A healthy server that closes after /health: probing it can never leave a usable connection.
+        if run.probe_closed(answer.status):
             self.unprobeable.add(run.origin)
-            logger.warning(
-                "%s closes connections after GET /health, so new connections cannot be probed; "
-                "probing disabled for this origin",
-                run.origin,
-            )
-        # Else llama-server answers 503 and closes while it loads a model: the server reads new connections, so
-        # this request's next attempts go unprobed and get the server's own answer (see the httpx transport).
-        run.server_reads_connections = True
         raise probe_error(
             ProbeError, run.aiohttp_request, f"{run.origin} answered GET /health with {answer.status} and closed"
         )

@@ -23,9 +23,10 @@ import tenacity
 from .._core.decisions import is_streaming_response
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
-from .._core.result import GuardResult
+from .._core.request_state import RETRIED_STATUSES
+from .._core.result import GuardResult, new_result
 from .._core.stats import GuardStats
-from .attempts import CURRENT_ATTEMPT, AiohttpRequest, request_body
+from .attempts import CURRENT_ATTEMPT, AiohttpRequest, FirstAttempt, request_body
 from .internals import drop_after_response, fail_body_on_connection_loss
 
 __all__ = ["GuardMiddleware", "guard_result", "request_options"]
@@ -104,12 +105,64 @@ class GuardMiddleware:
         overrides = _OPTIONS.get()
         policy = self.policy if overrides is None else self.policy.merged(overrides)
         body, stream = await request_body(request)
+        if (
+            overrides is None
+            and body is not None
+            and policy.first_byte_timeout is None
+            and not (stream and policy.stream_mode == "close")
+        ):
+            return await self._first_attempt_as_is(
+                FirstAttempt(request, origin, policy, self.stats, body, stream, started), handler
+            )
         run = AiohttpRequest(request, origin, policy, self.stats, body=body, stream=stream, started=started)
         if run.close_connection:
             request.headers["Connection"] = "close"
+        return await self._guarded(run, handler)
+
+    async def _first_attempt_as_is(self, first: FirstAttempt, handler: ClientHandler) -> aiohttp.ClientResponse:
+        """The usual request: its first attempt goes out as it is, with no `AiohttpRequest` unless something needs
+        one (a new connection to probe, a failure, a 503/429): most are answered here, on a pooled connection."""
+        token = CURRENT_ATTEMPT.set(first)
+        response: aiohttp.ClientResponse | None = None
+        try:
+            response = await handler(first.request)
+        except Exception as exc:
+            failure = exc
+        except BaseException:  # cancelled: counted, as any request
+            self.stats.record_request(1, None, False)
+            raise
+        finally:
+            CURRENT_ATTEMPT.reset(token)
+        if response is None:
+            run = first.guarded_run()
+            run.attempt_failed(failure)
+            return await self._guarded(run, handler, failure)
+        if response.status in RETRIED_STATUSES:
+            return await self._guarded(first.guarded_run(), handler, response)
+        policy = first.policy
+        closing = policy.stream_mode != "off" and is_streaming_response(response.headers)
+        if closing:
+            closing = self._drop_after_stream(response)
+            if closing:
+                fail_body_on_connection_loss(response)
+        first_byte = time.monotonic() - first.started
+        _RESULTS[response] = new_result((1, 0, first_byte, first.stream, closing, ()))
+        self.stats.record_request(1, first_byte, False)
+        return response
+
+    async def _guarded(
+        self, run: AiohttpRequest, handler: ClientHandler, first: aiohttp.ClientResponse | Exception | None = None
+    ) -> aiohttp.ClientResponse:
+        """A request with an `AiohttpRequest`: its attempts, retries, result and counters. ``first``: the outcome of
+        its first attempt when that was sent already (a failure judged already), else None."""
         try:
             try:
-                response = await self._attempt(run, handler)
+                if first is None:
+                    response = await self._attempt(run, handler)
+                elif isinstance(first, Exception):
+                    raise first
+                else:
+                    response = await self._answered(run, first)
             except Exception as exc:
                 if not run.may_retry:
                     if run.verdict is not None:  # judged: the guard gives up, and says why
@@ -120,7 +173,7 @@ class GuardMiddleware:
                 if run.may_retry:
                     response = await self._retry(run, handler, response)
             closing = run.close_connection
-            if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
+            if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
                 closing = self._drop_after_stream(response)
             if closing:
                 fail_body_on_connection_loss(response)
@@ -170,6 +223,10 @@ class GuardMiddleware:
             run.end_attempt()
         if response is None:  # the deadline cancelled the attempt; aiohttp closed its connection
             raise run.attempt_failed(None)
+        return await self._answered(run, response)
+
+    async def _answered(self, run: AiohttpRequest, response: aiohttp.ClientResponse) -> aiohttp.ClientResponse:
+        """Judge a response's status; a 503/429 to retry is read whole first."""
         if run.judge_response(response.status, response.headers):
             # A short error body, read so that the connection goes back to the pool, and so that the caller still
             # gets it whole if this was the last attempt.

@@ -342,19 +342,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         else:  # an answer that closes the connection fails the probe (counted with the ProbeError it raises)
             run.probe_failed(time.monotonic() - started)
             await stream.aclose()
-            if 200 <= answer.status < 300:
-                # A healthy server that closes after /health: probing it can never leave a usable connection.
+            if run.probe_closed(answer.status):
                 self._unprobeable.add(run.origin)
-                logger.warning(
-                    "%s closes connections after GET /health, so new connections cannot be probed; "
-                    "probing disabled for this origin",
-                    run.origin,
-                )
-            # Otherwise llama-server answers 503 with Connection: close while it loads a model: only this
-            # connection is lost. The server is reading new connections, so this request's next attempts go
-            # unprobed: the request itself then gets the server's answer (a 503 "Loading model", retried on
-            # its own terms, and handed to the caller if it lasts) instead of failing probe after probe.
-            run.server_reads_connections = True
             raise ProbeError(
                 f"{run.origin} answered GET /health with {answer.status} and closed the connection",
                 request=run.request,
