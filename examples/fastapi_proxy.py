@@ -446,12 +446,22 @@ async def demo(config: ProxyConfig, clients: int, requests: int) -> int:
                 else:
                     failed += 1
 
+    async def progress() -> None:
+        # On stderr, like llama-guard's own progress: the demo takes tens of seconds and should not look stuck.
+        print(f"sending {requests} streamed completions from {clients} clients through {proxy} ...", file=sys.stderr)
+        while True:
+            await asyncio.sleep(2.0)
+            elapsed = time.monotonic() - started
+            print(f"  {elapsed:3.0f} s: {complete + failed} of {requests} done, {failed} failed", file=sys.stderr)
+
     started = time.monotonic()
+    reporter = asyncio.create_task(progress())
     try:
         await asyncio.gather(*(one_client() for _ in range(clients)))
         async with httpx.AsyncClient(base_url=proxy) as http:
             counters = (await http.get("/guard/stats")).json()
     finally:
+        reporter.cancel()
         server.should_exit = True
         await serving
     seconds = time.monotonic() - started

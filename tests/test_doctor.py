@@ -29,6 +29,7 @@ from llama_guard._cli.doctor.model import (
     Identity,
     KeepAliveCheck,
     Target,
+    base_candidates,
     parse_target,
 )
 from llama_guard._cli.doctor.verdict import (
@@ -167,7 +168,8 @@ def test_exit_code_is_1_only_when_something_is_affected():
     healthy = stream_finding(KeepAliveCheck(True, after="open", reuse="answered 200", **KEEP))
     unknown = pool_finding(_identity("b0-unknown"), None)
     sick = stream_finding(KeepAliveCheck(True, after="eof", closed_after=0.0, **KEEP))
-    assert exit_code([healthy, unknown]) == 0
+    assert exit_code([healthy]) == 0
+    assert exit_code([healthy, unknown]) == 3  # not examined is not healthy
     assert exit_code([healthy, unknown, sick]) == 1
 
 
@@ -206,7 +208,11 @@ def test_urls(url, target):
     ("url", "phrase"),
     [
         ("https://127.0.0.1:8080", "only http:// is supported"),
-        ("ftp://host", "only http:// is supported"),
+        ("ftp://host", "unknown scheme 'ftp:'"),
+        ("htp:/bad", "unknown scheme 'htp:' (did you mean 'http:'?)"),
+        ("htp://127.0.0.1:8080", "unknown scheme 'htp:'"),
+        ("http:/127.0.0.1:8080", "malformed, 'http:' must be followed by '//'"),
+        ("://127.0.0.1", "malformed scheme"),
         ("http://127.0.0.1:99999", "Port out of range"),
         ("http://:8080", "no host"),
         ("http://127.0.0.1:8080/?x=1", "no user, query or fragment"),
@@ -308,7 +314,7 @@ def test_a_clean_burst_does_not_clear_a_build_that_has_the_defect():
 
 @pytest.mark.parametrize(
     ("build", "status", "code"),
-    [("b11800-emulated", "not_affected", 0), ("b0-unknown", "could_not_tell", 0), ("b11434-x", "affected", 1)],
+    [("b11800-emulated", "not_affected", 0), ("b0-unknown", "could_not_tell", 3), ("b11434-x", "affected", 1)],
 )
 def test_without_a_burst_the_build_decides(build, status, code):
     with LlamaServerEmulator(close_after_stream=False, pool_bug=False, build=build) as server:
@@ -448,8 +454,8 @@ def test_unreachable_port():
 def test_not_a_llama_server():
     with web_server(_NotLlama) as url:
         code, _, err = doctor(url)
-    _one_line_error(code, err, "does not look like llama-server")
-    assert "GET /health answered 404" in err
+    _one_line_error(code, err, "found no llama-server behind")
+    assert "GET /health answered 404, GET /props answered 404" in err
 
 
 def test_a_server_that_never_answers_times_out():
@@ -530,9 +536,59 @@ def test_doctor_command_line(capsys):
     assert json.loads(captured.out)["exit_code"] == 0
 
 
-def test_a_path_prefix_is_kept():
-    """A prefix in the URL (llama-server's --api-prefix, a reverse proxy) goes before every path. The emulator
-    has no prefix, so every request 404s: the error names the prefixed path."""
-    with LlamaServerEmulator() as server:
-        code, _, err = doctor(server.url + "/llm")
-    _one_line_error(code, err, "GET /llm/health answered 404 (no such path; is the path prefix '/llm' right?)")
+@pytest.mark.parametrize("suffix", ["/v1", "/v1/", "/", "/wrong/path"])
+def test_the_server_is_found_behind_a_base_url(suffix):
+    """Given the base URL a client uses (``/v1``), a trailing slash or a wrong path, doctor looks under each
+    shorter path down to the root, finds the server there, says so, and gives the bare URL's verdicts."""
+    with LlamaServerEmulator(stall_burst=16) as server:
+        bare_code, bare_out, _ = doctor(server.url, json=True, requests=10)
+        code, out, err = doctor(server.url + suffix, json=True, requests=10)
+    document, bare = json.loads(out), json.loads(bare_out)
+    assert code == bare_code == 1
+    assert document["url"] == server.url
+    assert document["given_url"] == (None if suffix == "/" else server.url + suffix.rstrip("/"))
+    statuses = {key: item["status"] for key, item in by_defect(document).items()}
+    assert statuses == {key: item["status"] for key, item in by_defect(bare).items()}
+    assert statuses["stream-close"] == "affected"
+    assert "HTTP 404" not in document["load"]["plain"]["error_kinds"]
+    if suffix != "/":
+        assert f"found llama-server at {server.url} (the URL given was {server.url}{suffix.rstrip('/')})" in err
+
+
+@pytest.mark.parametrize(
+    ("prefix", "candidates"),
+    [("", [""]), ("/v1", ["/v1", ""]), ("/a/b/v1", ["/a/b/v1", "/a/b", "/a", ""])],
+)
+def test_base_candidates_walk_down_to_the_root(prefix, candidates):
+    assert [item.prefix for item in base_candidates(Target("h", 1, prefix))] == candidates
+
+
+class _IdentityOnly(_NotLlama):
+    """Answers /health and /props as llama-server does, and 404 to every completion: nothing can be examined."""
+
+    def do_GET(self) -> None:
+        if self.path not in ("/health", "/props"):
+            self.send_error(404)
+            return
+        body = b'{"status":"ok"}' if self.path == "/health" else b'{"build_info":"b11800-x","total_slots":1}'
+        self.send_response(200)
+        self.send_header("Server", "llama.cpp")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.send_error(404)
+
+
+def test_checks_that_got_no_valid_answer_never_give_exit_0():
+    """Every completion 404s: both keep-alive verdicts are "could not tell", the load (lost 100% by both
+    clients to 404s) is called no evidence, and the exit status is 3, not 0."""
+    with web_server(_IdentityOnly) as url:
+        code, out, _ = doctor(url, requests=10)
+    assert code == 3, out
+    assert "could not tell  streamed responses close" in out
+    assert "could not tell  non-streamed responses" in out
+    text = " ".join(out.split())  # the evidence is wrapped
+    assert "no request of the load was answered 200, so it shows nothing about the defects" in text
+    assert "result: could not tell: stream-close, nonstream-keepalive" in text

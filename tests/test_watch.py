@@ -619,4 +619,6 @@ def test_watch_command_line_errors(capsys):
     with pytest.raises(SystemExit) as info:
         main(["watch", "--port", "70000"])
     assert info.value.code == 2
-    assert "must be a TCP port from 1 to 65535" in capsys.readouterr().err
+    assert (
+        "argument --port: expected a TCP port, a whole number from 1 to 65535, got '70000'" in capsys.readouterr().err
+    )

@@ -15,6 +15,7 @@ Two scenarios, each with plain httpx and with the guard, against a fresh in-proc
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TextIO
@@ -46,7 +47,15 @@ def _proxy_load(guarded: bool, requests: int) -> DemoRow:
         inner = httpx.HTTPTransport(limits=limits)
         transport: httpx.BaseTransport = GuardTransport(inner) if guarded else inner
         with httpx.Client(transport=transport, base_url=server.url, timeout=10.0) as client:
-            proxy_load(client, row, requests=requests, workers=16, path=CHAT, body_for=lambda i: _body(i, i % 2 == 1))
+            proxy_load(
+                client,
+                row,
+                requests=requests,
+                workers=16,
+                path=CHAT,
+                body_for=lambda i: _body(i, i % 2 == 1),
+                progress=sys.stderr,
+            )
     return row
 
 
@@ -66,11 +75,12 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
         started = time.monotonic()
         stop_at = started + seconds
         answered = [False] * clients
+        stop = threading.Event()
 
         def client_job(number: int) -> Callable[[], None]:
             def run() -> None:
                 client, index = opened[number], 0
-                while time.monotonic() < stop_at:
+                while time.monotonic() < stop_at and not stop.is_set():
                     remaining = max(stop_at - time.monotonic(), 0.1)
                     if not send_one(client, CHAT, _body(index, False), row, timeout=remaining):
                         break
@@ -83,8 +93,17 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
 
             return run
 
+        def tick() -> None:
+            served = answered.count(True)
+            print(
+                f"      {time.monotonic() - started:3.0f} s of {seconds:g}: {served} of {clients} connections "
+                f"answered, {row.requests} requests",
+                file=sys.stderr,
+                flush=True,
+            )
+
         try:
-            run_threads([client_job(number) for number in range(clients)])
+            run_threads([client_job(number) for number in range(clients)], stop=stop, tick=tick)
         finally:
             for client in opened:
                 client.close()

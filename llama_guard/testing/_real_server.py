@@ -31,10 +31,12 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
+
+from ._cpu_load import pin_process
 
 __all__ = [
     "LLAMA_SERVER_BUILD",
@@ -120,7 +122,10 @@ class RealLlamaServer:
     by the slots), ``metrics`` (``--metrics``, Prometheus text at
     ``/metrics``), ``threads`` (``--threads``, compute threads; 1 is plenty for
     the tiny model and leaves the CPU to the test), ``extra_args`` appended
-    verbatim.
+    verbatim. ``cpus``: pin every thread of the server to these CPUs (e.g. one
+    core that a :class:`~llama_guard.testing._cpu_load.CpuHogs` shares);
+    ``batch_scheduling``: and run them as ``SCHED_BATCH`` (see
+    :func:`~llama_guard.testing._cpu_load.pin_process`).
     """
 
     def __init__(
@@ -134,6 +139,8 @@ class RealLlamaServer:
         metrics: bool = False,
         threads: int | None = 1,
         extra_args: Sequence[str] = (),
+        cpus: Iterable[int] | None = None,
+        batch_scheduling: bool = False,
         host: str = "127.0.0.1",
         port: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
@@ -157,6 +164,10 @@ class RealLlamaServer:
         self.metrics_enabled = metrics
         self.threads = threads
         self.extra_args = tuple(extra_args)
+        self.cpus: frozenset[int] | None = None if cpus is None else frozenset(cpus)
+        if batch_scheduling and self.cpus is None:
+            raise ValueError("batch_scheduling needs cpus (the CPUs whose other work the server must not preempt)")
+        self.batch_scheduling = batch_scheduling
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self._own_log = log_path is None
@@ -202,7 +213,9 @@ class RealLlamaServer:
                 self.port = free_port(self.host)
             self._launch()
             try:
+                self._pin()
                 self._wait_healthy()
+                self._pin()  # again: threads started while the first pass ran
                 return self
             except RealServerError:
                 exited = self._proc is not None and self._proc.poll() is not None
@@ -236,6 +249,10 @@ class RealLlamaServer:
             # pytest's fixtures stop the server in order.
             start_new_session=True,
         )
+
+    def _pin(self) -> None:
+        if self.cpus is not None and self._proc is not None and self._proc.poll() is None:
+            pin_process(self._proc.pid, self.cpus, batch=self.batch_scheduling)
 
     def _wait_healthy(self) -> None:
         assert self._proc is not None

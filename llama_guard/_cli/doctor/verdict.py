@@ -15,6 +15,7 @@ from ..load import LoadRow
 from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
 
 __all__ = [
+    "EXIT_COULD_NOT_TELL",
     "LoadShape",
     "exit_code",
     "findings",
@@ -90,9 +91,11 @@ def load_evidence(plain: LoadRow | None, guard: LoadRow | None, shape: LoadShape
         if race
         else ""
     )
+    answered = plain.requests - plain.errors + guard.requests - guard.errors
+    void = "; no request of the load was answered 200, so it shows nothing about the defects" if answered == 0 else ""
     return (
         f"pooled load ({shape.workers} threads sharing {shape.connections} connections, every second request "
-        f"streamed): plain httpx {lost(plain)}; the guard {lost(guard)}{note}",
+        f"streamed): plain httpx {lost(plain)}; the guard {lost(guard)}{note}{void}",
     )
 
 
@@ -199,6 +202,13 @@ def findings(
     return [stream_finding(stream, load), nonstream_finding(nonstream), pool_finding(identity, burst)]
 
 
+#: Exit status when no defect was found but at least one could not be examined: not a clean bill of health.
+EXIT_COULD_NOT_TELL = 3
+
+
 def exit_code(found: list[Finding]) -> int:
-    """0: no defect found; 1: affected by at least one (could-not-tell alone is 0: nothing was found)."""
-    return 1 if any(item.status == AFFECTED for item in found) else 0
+    """0: every defect examined and found absent; 1: affected by at least one; 3: none found, but at least one
+    could not be told (a check that got no valid answer is never "not affected")."""
+    if any(item.status == AFFECTED for item in found):
+        return 1
+    return EXIT_COULD_NOT_TELL if any(item.status == COULD_NOT_TELL for item in found) else 0
