@@ -23,7 +23,10 @@ _LOG_GROWTH = math.log(_GROWTH)
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
-    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact."""
+    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact.
+
+    False when it holds no samples, so ``snap.first_byte.max if snap.first_byte else None`` reads as it says.
+    """
 
     count: int
     max: float
@@ -33,7 +36,11 @@ class LatencySummary:
     p999: float
     mean: float
 
+    def __bool__(self) -> bool:
+        return self.count > 0
+
     def as_dict(self) -> dict[str, float]:
+        """Plain data for JSON and logs."""
         return {name: getattr(self, name) for name in self.__slots__}
 
 
@@ -133,8 +140,9 @@ class StatsSnapshot:
             )
         }
         data["errors"] = dict(self.errors)
-        data["first_byte"] = self.first_byte.as_dict() if self.first_byte else None
-        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency else None
+        # `is not None`: an empty summary is false, and still a summary (count 0).
+        data["first_byte"] = self.first_byte.as_dict() if self.first_byte is not None else None
+        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency is not None else None
         data["public_path"] = self.public_path
         data["probing_off"] = self.probing_off
         return data
@@ -229,6 +237,6 @@ class GuardStats:
         return (
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "
-            f"stall_reconnects={snap.stall_reconnects} streams_closed={snap.stream_connections_closed} "
+            f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
             f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed}{probing} errors={snap.errors}{latency}>"
         )
