@@ -23,7 +23,7 @@ from ._doctor_checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, identif
 from ._doctor_model import AFFECTED, DoctorError, DoctorRun, Finding, Target, parse_target
 from ._doctor_report import check_report_path, write_report
 from ._doctor_verdict import LoadShape, exit_code, findings, load_evidence
-from ._llama_build import has_pool_defect
+from ._llama_build import build_has_pool_defect
 from ._load import LoadRow
 
 __all__ = ["DoctorOptions", "doctor_json", "format_text", "run_doctor"]
@@ -198,7 +198,7 @@ def doctor_json(run: DoctorRun, code: int) -> dict[str, Any]:
         if identity is None
         else {
             **dataclasses.asdict(identity),
-            "build_has_pool_defect": has_pool_defect(identity.build_number),
+            "build_has_pool_defect": build_has_pool_defect(identity.build_info),
         },
         "findings": [dataclasses.asdict(item) | {"evidence": list(item.evidence)} for item in run.findings],
         "checks": {
