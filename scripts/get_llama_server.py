@@ -88,6 +88,8 @@ POOL_FIX = "if (jobs_.size() > idle_thread_count_ &&"
 FIXED_SUFFIX = "fixedpool"
 # build-info: the sdist has no .git, so llama.cpp would report "b0-unknown"; the fixed build names itself.
 FIXED_CMAKE_OPTIONS = (f"-DLLAMA_BUILD_NUMBER={BUILD[1:]}", f"-DLLAMA_BUILD_COMMIT={FIXED_SUFFIX}")
+# What its --version prints, checked after the build and on every cache hit.
+FIXED_VERSION = f"(build {BUILD[1:]}, commit {FIXED_SUFFIX})"
 
 
 class SetupError(Exception):
@@ -111,22 +113,22 @@ def progress(message: str) -> None:
     print(f"get_llama_server: {message}", file=sys.stderr, flush=True)
 
 
-def runs(binary: Path) -> bool:
-    """True if ``binary --version`` exits 0: the file is there, executable and loads."""
+def runs(binary: Path, expect: str | None = None) -> bool:
+    """True if ``binary --version`` exits 0 (the file is there, executable and loads) and prints ``expect``."""
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         return False
     try:
         done = subprocess.run(
             [str(binary), "--version"],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             timeout=60,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return done.returncode == 0
+    return done.returncode == 0 and (expect is None or expect.encode() in done.stdout)
 
 
 def find_compilers() -> None:
@@ -301,11 +303,12 @@ def provide(jobs: int, *, fixed_pool: bool = False) -> Path:
 
     root = cache_root(fixed_pool=fixed_pool)
     binary = cached_binary(root)
-    if runs(binary):
+    expect = FIXED_VERSION if fixed_pool else None
+    if runs(binary, expect):
         return binary
     find_compilers()
     with locked(root):
-        if runs(binary):  # another run built it while we waited for the lock
+        if runs(binary, expect):  # another run built it while we waited for the lock
             return binary
         log_path = root / "build.log"
         started = time.monotonic()
@@ -318,6 +321,8 @@ def provide(jobs: int, *, fixed_pool: bool = False) -> Path:
         install(built, binary)
         if not runs(binary):
             raise SetupError(f"the built {binary} does not run '--version' (see {log_path})")
+        if not runs(binary, expect):
+            raise SetupError(f"the built {binary} does not print {expect!r} with '--version' (see {log_path})")
         progress(f"built {binary} in {time.monotonic() - started:.0f} s")
     return binary
 

@@ -184,3 +184,16 @@ def test_the_cached_fixed_pool_binary_reports_its_build(llama_server_fixed_bin):
     )
     assert done.returncode == 0
     assert "(build 11434, commit fixedpool)" in done.stdout + done.stderr
+
+
+def test_a_cached_binary_without_the_fixed_pool_build_string_is_not_taken_for_the_fixed_one(tmp_path):
+    script = load_script()
+    unpatched = tmp_path / "llama-server"
+    unpatched.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 0, commit unknown)'\n")
+    unpatched.chmod(0o755)
+    assert script.runs(unpatched)
+    assert not script.runs(unpatched, script.FIXED_VERSION)
+    patched = tmp_path / "llama-server-fixed"
+    patched.write_text("#!/bin/sh\necho 'version: 0.6.0-dev (build 11434, commit fixedpool)' >&2\n")
+    patched.chmod(0o755)
+    assert script.runs(patched, script.FIXED_VERSION)
