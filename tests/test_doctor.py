@@ -153,6 +153,11 @@ CLEAN = BurstRound((0.001, 0.002, 0.003, 0.004), window=3.0)
         ("b0-unknown", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), COULD_NOT_TELL, "assume it is affected"),
         ("b0-unknown", BurstCheck(4, (), error="refused"), COULD_NOT_TELL, "could not run: refused"),
         ("b11434-abc", BurstCheck(4, (), error="refused"), AFFECTED, "predates"),
+        # b11434 patched with the fix (get_llama_server.py --fixed-pool): a clean burst clears it, a stall does not.
+        ("b11434-fixedpool", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), NOT_AFFECTED, "fix of b11737 applied"),
+        ("b11434-fixedpool", None, NOT_AFFECTED, "fix of b11737 applied"),
+        ("b11434-fixedpool", BurstCheck(4, (CLEAN, STALL)), AFFECTED, "2 of 4"),
+        ("b11434-fixedpoolx", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), AFFECTED, "predates"),
     ],
 )
 def test_pool_verdicts(build, burst, status, phrase):

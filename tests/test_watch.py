@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from llama_guard._cli.llama_build import build_number, has_pool_defect, version_build_info
+from llama_guard._cli.llama_build import build_has_pool_defect, build_number, has_pool_defect, version_build_info
 from llama_guard._cli.main import main
 from llama_guard._cli.watch.cmdline import Setting, is_llama_server, parse_server_command
 from llama_guard._cli.watch.command import WatchOptions, run_watch
@@ -211,6 +211,30 @@ def test_build_numbers(info, number):
 def test_the_pool_defect_by_build(number, defect):
     assert has_pool_defect(number) is defect
     assert has_pool_defect(None) is None
+
+
+@pytest.mark.parametrize(
+    ("info", "defect"),
+    [
+        ("b11434-fixedpool", False),  # get_llama_server.py --fixed-pool: b11434 with the fix applied
+        (" b11434-fixedpool\n", False),
+        ("b11434-1a2b3c4d", True),
+        ("b11434-fixedpool2", True),
+        ("fixedpool", None),
+        ("b0-unknown", None),
+        (None, None),
+        ("b11800-abc", False),
+    ],
+)
+def test_a_patched_build_has_the_fixed_pool(info, defect):
+    assert build_has_pool_defect(info) is defect
+
+
+def test_version_output_of_the_patched_build_is_read_as_fixed():
+    # What `llama-server --version` prints for the build made with -DLLAMA_BUILD_COMMIT=fixedpool.
+    info = version_build_info("version: 0.6.0-dev (build 11434, commit fixedpool)\nbuilt with GNU 12.2.0\n")
+    assert info == "b11434-fixedpool"
+    assert build_has_pool_defect(info) is False
 
 
 @pytest.mark.parametrize(

@@ -40,44 +40,58 @@ from ._cpu_load import pin_process
 
 __all__ = [
     "LLAMA_SERVER_BUILD",
+    "LLAMA_SERVER_FIXED_BUILD_INFO",
     "RealLlamaServer",
     "RealServerError",
     "find_llama_server",
     "free_port",
     "llama_server_cache_dir",
+    "llama_server_env_var",
 ]
 
 #: The llama.cpp build the tests are written against (its cpp-httplib is 0.59.0).
 LLAMA_SERVER_BUILD = "b11434"
+#: What ``/props`` says for the same build with cpp-httplib's thread-pool fix applied
+#: (``scripts/get_llama_server.py --fixed-pool``); doctor reads it as a fixed pool.
+LLAMA_SERVER_FIXED_BUILD_INFO = f"{LLAMA_SERVER_BUILD}-fixedpool"
 
 
-def llama_server_cache_dir() -> Path:
+def llama_server_cache_dir(*, fixed_pool: bool = False) -> Path:
     """The folder ``scripts/get_llama_server.py`` builds into (keep the two in sync).
 
-    ``${LLAMA_GUARD_CACHE:-~/.cache/llama_guard}/llama-server-b11434``: outside the
-    work tree, so a clean checkout or ``git clean`` never costs a 6-minute rebuild.
+    ``${LLAMA_GUARD_CACHE:-~/.cache/llama_guard}/llama-server-b11434`` (``-fixedpool``
+    appended for the build with the thread-pool fix): outside the work tree, so a
+    clean checkout or ``git clean`` never costs a rebuild.
     """
     base = os.environ.get("LLAMA_GUARD_CACHE") or str(Path.home() / ".cache" / "llama_guard")
-    return Path(base).expanduser() / f"llama-server-{LLAMA_SERVER_BUILD}"
+    name = LLAMA_SERVER_FIXED_BUILD_INFO if fixed_pool else LLAMA_SERVER_BUILD
+    return Path(base).expanduser() / f"llama-server-{name}"
+
+
+def llama_server_env_var(*, fixed_pool: bool = False) -> str:
+    """The environment variable that names a binary to use instead of the cache."""
+    return "LLAMA_SERVER_FIXED_BIN" if fixed_pool else "LLAMA_SERVER_BIN"
 
 
 def _executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def find_llama_server() -> Path | None:
+def find_llama_server(*, fixed_pool: bool = False) -> Path | None:
     """The llama-server binary to test against, or None when there is none.
 
     ``LLAMA_SERVER_BIN`` if it names an executable file, else the binary that
-    ``scripts/get_llama_server.py`` left in the cache. It does not build
+    ``scripts/get_llama_server.py`` left in the cache. With ``fixed_pool``: the
+    same build with cpp-httplib's thread-pool fix (``LLAMA_SERVER_FIXED_BIN``,
+    or what ``get_llama_server.py --fixed-pool`` cached). It does not build
     anything (that takes minutes; run the script for it) and does not run the
     binary.
     """
-    env_bin = os.environ.get("LLAMA_SERVER_BIN")
+    env_bin = os.environ.get(llama_server_env_var(fixed_pool=fixed_pool))
     if env_bin:
         path = Path(env_bin).expanduser()
         return path.resolve() if _executable(path) else None
-    cached = llama_server_cache_dir() / "bin" / "llama-server"
+    cached = llama_server_cache_dir(fixed_pool=fixed_pool) / "bin" / "llama-server"
     return cached if _executable(cached) else None
 
 

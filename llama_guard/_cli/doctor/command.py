@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..llama_build import has_pool_defect
+from ..llama_build import build_has_pool_defect
 from ..load import LoadRow
 from ..main import interrupted
 from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate
@@ -222,7 +222,7 @@ def doctor_json(run: DoctorRun, code: int) -> dict[str, Any]:
         if identity is None
         else {
             **dataclasses.asdict(identity),
-            "build_has_pool_defect": has_pool_defect(identity.build_number),
+            "build_has_pool_defect": build_has_pool_defect(identity.build_info),
         },
         "findings": [dataclasses.asdict(item) | {"evidence": list(item.evidence)} for item in run.findings],
         "checks": {

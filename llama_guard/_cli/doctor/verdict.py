@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..llama_build import FIRST_FIXED_BUILD, has_pool_defect
+from ..llama_build import FIRST_FIXED_BUILD, build_has_pool_defect, pool_fix_applied
 from ..load import LoadRow
 from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
 
@@ -142,13 +142,15 @@ def nonstream_finding(check: KeepAliveCheck) -> Finding:
 
 
 def _build_evidence(identity: Identity) -> str:
+    if pool_fix_applied(identity.build_info):
+        return f"build {identity.build_info} has the thread-pool fix of b{FIRST_FIXED_BUILD} applied (patched build)"
     if identity.build_number is None:
         shown = f"'{identity.build_info}'" if identity.build_info else "not reported"
         return (
             f"the build is unknown (GET /props build_info: {shown}; builds made from a source archive say "
             "'b0-unknown'), so only behaviour can tell"
         )
-    when = "predates" if has_pool_defect(identity.build_number) else "includes"
+    when = "predates" if build_has_pool_defect(identity.build_info) else "includes"
     return f"build b{identity.build_number} {when} the thread-pool fix of b{FIRST_FIXED_BUILD}"
 
 
@@ -156,7 +158,7 @@ def pool_finding(identity: Identity, burst: BurstCheck | None) -> Finding:
     """Defect 2: a burst of new keep-alive connections leaves some first requests unread (builds < b11737)."""
     title = f"a new connection's first request is left unread (defect 2, builds before b{FIRST_FIXED_BUILD})"
     build = _build_evidence(identity)
-    defect = has_pool_defect(identity.build_number)
+    defect = build_has_pool_defect(identity.build_info)
     if burst is not None and burst.error is None and burst.rounds:
         stalled = burst.stalled_round
         if stalled is not None:
