@@ -146,11 +146,8 @@ class _AsyncSocketStream(httpcore.AsyncNetworkStream):
             raise httpcore.WriteError(str(exc)) from exc
 
     async def aclose(self) -> None:
-        # anyio 4.9 and later wake a task still waiting on the socket; earlier versions have no such call.
-        notify_closing = getattr(anyio, "notify_closing", None)
-        if notify_closing is not None:
-            with contextlib.suppress(OSError):
-                notify_closing(self._sock)
+        with contextlib.suppress(OSError):
+            anyio.notify_closing(self._sock)
         self._sock.close()
 
     def get_extra_info(self, info: str) -> Any:
