@@ -40,6 +40,12 @@ def arguments(server: LlamaServerEmulator, route: str) -> dict[str, Any]:
     }
 
 
+async def forget_async_clients() -> None:
+    """Close litellm's cached async clients (their aiohttp sessions) and empty its cache."""
+    await litellm.close_litellm_async_clients()
+    litellm.in_memory_llm_clients_cache.flush_cache()
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_litellm_sync(route: str, racy_server: LlamaServerEmulator) -> None:
     """Not exposed: the openai SDK's sync stream closes the response at ``[DONE]``, so no request reaches a connection
@@ -73,13 +79,12 @@ def test_litellm_async(route: str, racy_server: LlamaServerEmulator) -> None:
 
     async def scenario() -> None:
         plain = await run_async(racy_server, call)
-        # Its cached sessions' pools hold connections streams left: closed and forgotten, new ones for the guard.
-        await litellm.close_litellm_async_clients()
-        litellm.in_memory_llm_clients_cache.flush_cache()
+        await forget_async_clients()  # their pools hold connections streams left: new ones for the guard
         assert_plain_exposed(plain)
         with installed(racy_server) as installation:
             guarded = await run_async(racy_server, call)
             report("litellm", f"async {route}/", plain, guarded)
             assert_guarded(guarded, installation.stats.requests)
+        await forget_async_clients()  # else the next test's loop finds this one's sessions and drops them unclosed
 
     asyncio.run(scenario())
