@@ -1,4 +1,5 @@
-"""The frameworks' server: the emulator with the stream defect on, in one fixture so its mode changes in one place."""
+"""The frameworks' own fixtures. Their server is tests/conftest.py's ``racy_server``: the stream defect,
+deterministic."""
 
 from __future__ import annotations
 
@@ -10,18 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 import llama_guard
-from llama_guard.testing import LlamaServerEmulator
 
 # litellm fetches its model price list from GitHub at import unless told to use the copy it ships: loopback only.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
-
-@pytest.fixture
-def racy_server() -> Iterator[LlamaServerEmulator]:
-    """Streams close 60 ms after their final chunk: a client that reuses the connection in between loses its request
-    (a race, which the plain controls of tests/frameworks/_load.py allow for)."""
-    with LlamaServerEmulator(stream_close_delay=0.06, http_threads=16, pool_bug=False) as server:
-        yield server
 
 
 @pytest.fixture(autouse=True)

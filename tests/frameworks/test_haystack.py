@@ -18,10 +18,9 @@ from ._load import (
     FRAMEWORK_WARNINGS,
     MAX_TOKENS,
     assert_guarded,
-    check_plain,
+    assert_plain_exposed,
+    assert_plain_not_exposed,
     installed,
-    plain_async,
-    plain_sync,
     report,
     run_async,
     run_sync,
@@ -73,28 +72,34 @@ def async_call(component: OpenAIChatGenerator):
 
 
 def test_haystack_sync(racy_server: LlamaServerEmulator) -> None:
+    """Not exposed: the openai SDK's sync stream closes the response at ``[DONE]``, so no request reaches a connection
+    a stream left -- the server dropped 0 and plain lost 0."""
     component = generator(racy_server)
     call = sync_call(component)
-    plain = plain_sync(racy_server, call, exposed=False)
+    plain = run_sync(racy_server, call)
     with installed(racy_server) as installation:
         guarded = run_sync(racy_server, call)
         report("haystack", "sync", plain, guarded)
         assert_guarded(guarded, installation.stats.requests)
     component.close()  # haystack leaves its clients open otherwise
-    check_plain(plain, exposed=False, why="the openai SDK's sync stream closes the response at [DONE]")
+    assert_plain_not_exposed(plain)
 
 
 def test_haystack_async(racy_server: LlamaServerEmulator) -> None:
+    """The openai SDK's async stream drains the body after ``[DONE]`` and pools the connection: plain loses exactly
+    the requests the server dropped there."""
+
     async def scenario() -> None:
         component = generator(racy_server)
-        call = async_call(component)
-        plain = await plain_async(racy_server, call, exposed=True)
+        plain = await run_async(racy_server, async_call(component))
+        await component.close_async()  # its pool holds connections streams left: a new component for the guard
+        assert_plain_exposed(plain)
         with installed(racy_server) as installation:
-            guarded = await run_async(racy_server, call)
+            component = generator(racy_server)
+            guarded = await run_async(racy_server, async_call(component))
             report("haystack", "async", plain, guarded)
             assert_guarded(guarded, installation.stats.requests)
         await component.close_async()
-        check_plain(plain, exposed=True, why="the openai SDK's async stream drains the body after [DONE]")
 
     asyncio.run(scenario())
 

@@ -18,10 +18,8 @@ from ._load import (
     MAX_TOKENS,
     MESSAGES,
     assert_guarded,
-    check_plain,
+    assert_plain_not_exposed,
     installed,
-    plain_async,
-    plain_sync,
     report,
     run_async,
     run_sync,
@@ -61,13 +59,15 @@ def async_call(client: huggingface_hub.AsyncInferenceClient):
 
 
 def test_huggingface_hub_sync(racy_server: LlamaServerEmulator) -> None:
+    """Not exposed: it stops reading at ``[DONE]`` and closes the response, so no request reaches a connection a
+    stream left -- the server dropped 0 and plain lost 0."""
     call = sync_call(huggingface_hub.InferenceClient(base_url=racy_server.url))
-    plain = plain_sync(racy_server, call, exposed=False)
+    plain = run_sync(racy_server, call)
     with installed(racy_server) as installation:
         guarded = run_sync(racy_server, call)
         report("huggingface_hub", "sync", plain, guarded)
         assert_guarded(guarded, installation.stats.requests)
-    check_plain(plain, exposed=False, why="it stops reading at [DONE] and closes the response")
+    assert_plain_not_exposed(plain)
 
     guards: list[llama_guard.GuardTransport] = []
 
@@ -81,15 +81,18 @@ def test_huggingface_hub_sync(racy_server: LlamaServerEmulator) -> None:
 
 
 def test_huggingface_hub_async(racy_server: LlamaServerEmulator) -> None:
+    """Not exposed: it stops reading at ``[DONE]`` and closes the response, so no request reaches a connection a
+    stream left -- the server dropped 0 and plain lost 0."""
+
     async def scenario() -> None:
         async with huggingface_hub.AsyncInferenceClient(base_url=racy_server.url) as client:
             call = async_call(client)
-            plain = await plain_async(racy_server, call, exposed=False)
+            plain = await run_async(racy_server, call)
             with installed(racy_server) as installation:
                 guarded = await run_async(racy_server, call)
                 report("huggingface_hub", "async", plain, guarded)
                 assert_guarded(guarded, installation.stats.requests)
-            check_plain(plain, exposed=False, why="it stops reading at [DONE] and closes the response")
+            assert_plain_not_exposed(plain)
 
         guards: list[llama_guard.AsyncGuardTransport] = []
 

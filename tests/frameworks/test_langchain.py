@@ -7,6 +7,7 @@ import asyncio
 
 import httpx2
 from langchain_openai import ChatOpenAI
+from langchain_openai.chat_models import _client_utils
 
 import llama_guard.httpx2
 from llama_guard.testing import LlamaServerEmulator
@@ -15,10 +16,9 @@ from ._load import (
     FRAMEWORK_WARNINGS,
     MAX_TOKENS,
     assert_guarded,
-    check_plain,
+    assert_plain_exposed,
+    assert_plain_not_exposed,
     installed,
-    plain_async,
-    plain_sync,
     report,
     run_async,
     run_sync,
@@ -39,6 +39,8 @@ def chat_model(server: LlamaServerEmulator, **clients: object) -> ChatOpenAI:
 
 
 def test_langchain_sync(racy_server: LlamaServerEmulator) -> None:
+    """Not exposed: the openai SDK's sync stream closes the response at ``[DONE]``, so no request reaches a connection
+    a stream left -- the server dropped 0 and plain lost 0."""
     model = chat_model(racy_server)
 
     def call(index: int, stream: bool) -> str:
@@ -46,12 +48,12 @@ def test_langchain_sync(racy_server: LlamaServerEmulator) -> None:
             return "".join(str(chunk.content) for chunk in model.stream("hi"))
         return str(model.invoke("hi").content)
 
-    plain = plain_sync(racy_server, call, exposed=False)
+    plain = run_sync(racy_server, call)
     with installed(racy_server) as installation:
         guarded = run_sync(racy_server, call)
         report("langchain-openai", "sync", plain, guarded)
         assert_guarded(guarded, installation.stats.requests)
-    check_plain(plain, exposed=False, why="the openai SDK's sync stream closes the response at [DONE]")
+    assert_plain_not_exposed(plain)
     model.root_client.close()  # langchain leaves its clients open otherwise
 
     transport = llama_guard.httpx2.GuardTransport()
@@ -62,6 +64,9 @@ def test_langchain_sync(racy_server: LlamaServerEmulator) -> None:
 
 
 def test_langchain_async(racy_server: LlamaServerEmulator) -> None:
+    """The openai SDK's async stream drains the body at ``[DONE]`` and pools the connection (HTTP/1.1): plain loses
+    exactly the requests the server dropped there."""
+
     async def scenario() -> None:
         model = chat_model(racy_server)
 
@@ -71,13 +76,18 @@ def test_langchain_async(racy_server: LlamaServerEmulator) -> None:
             return str((await current.ainvoke("hi")).content)
 
         current = model
-        plain = await plain_async(racy_server, call, exposed=True)
+        plain = await run_async(racy_server, call)
+        # Its pool holds connections streams left: closed, and a new model with a new client for the guard
+        # (langchain caches its default async client per base URL; forget the closed one).
+        await model.root_async_client.close()
+        _client_utils._cached_async_httpx_client.cache_clear()
+        assert_plain_exposed(plain)
         with installed(racy_server) as installation:
+            current = chat_model(racy_server)
             guarded = await run_async(racy_server, call)
             report("langchain-openai", "async", plain, guarded)
             assert_guarded(guarded, installation.stats.requests)
-        check_plain(plain, exposed=True, why="the openai SDK's async stream drains the body at [DONE] (HTTP/1.1)")
-        await model.root_async_client.close()
+        await current.root_async_client.close()
 
         transport = llama_guard.httpx2.AsyncGuardTransport()
         current = chat_model(racy_server, http_async_client=httpx2.AsyncClient(transport=transport))

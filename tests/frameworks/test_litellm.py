@@ -16,10 +16,9 @@ from ._load import (
     MAX_TOKENS,
     MESSAGES,
     assert_guarded,
-    check_plain,
+    assert_plain_exposed,
+    assert_plain_not_exposed,
     installed,
-    plain_async,
-    plain_sync,
     report,
     run_async,
     run_sync,
@@ -41,8 +40,16 @@ def arguments(server: LlamaServerEmulator, route: str) -> dict[str, Any]:
     }
 
 
+async def forget_async_clients() -> None:
+    """Close litellm's cached async clients (their aiohttp sessions) and empty its cache."""
+    await litellm.close_litellm_async_clients()
+    litellm.in_memory_llm_clients_cache.flush_cache()
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_litellm_sync(route: str, racy_server: LlamaServerEmulator) -> None:
+    """Not exposed: the openai SDK's sync stream closes the response at ``[DONE]``, so no request reaches a connection
+    a stream left -- the server dropped 0 and plain lost 0."""
     kwargs = arguments(racy_server, route)
 
     def call(index: int, stream: bool) -> str:
@@ -50,16 +57,18 @@ def test_litellm_sync(route: str, racy_server: LlamaServerEmulator) -> None:
             return "".join(chunk.choices[0].delta.content or "" for chunk in litellm.completion(stream=True, **kwargs))
         return str(litellm.completion(**kwargs).choices[0].message.content)
 
-    plain = plain_sync(racy_server, call, exposed=False)
+    plain = run_sync(racy_server, call)
     with installed(racy_server) as installation:
         guarded = run_sync(racy_server, call)
         report("litellm", f"sync {route}/", plain, guarded)
         assert_guarded(guarded, installation.stats.requests)
-    check_plain(plain, exposed=False, why="the openai SDK's sync stream closes the response at [DONE]")
+    assert_plain_not_exposed(plain)
 
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_litellm_async(route: str, racy_server: LlamaServerEmulator) -> None:
+    """Exposed: aiohttp reads a stream to its end and pools the connection, so plain loses exactly the requests the
+    server dropped there."""
     kwargs = arguments(racy_server, route)
 
     async def call(index: int, stream: bool) -> str:
@@ -69,11 +78,13 @@ def test_litellm_async(route: str, racy_server: LlamaServerEmulator) -> None:
         return str((await litellm.acompletion(**kwargs)).choices[0].message.content)
 
     async def scenario() -> None:
-        plain = await plain_async(racy_server, call, exposed=True)
+        plain = await run_async(racy_server, call)
+        await forget_async_clients()  # their pools hold connections streams left: new ones for the guard
+        assert_plain_exposed(plain)
         with installed(racy_server) as installation:
             guarded = await run_async(racy_server, call)
             report("litellm", f"async {route}/", plain, guarded)
             assert_guarded(guarded, installation.stats.requests)
-        check_plain(plain, exposed=True, why="aiohttp reads a stream to its end and pools the connection")
+        await forget_async_clients()  # else the next test's loop finds this one's sessions and drops them unclosed
 
     asyncio.run(scenario())

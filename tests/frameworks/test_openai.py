@@ -15,10 +15,9 @@ from ._load import (
     MAX_TOKENS,
     MESSAGES,
     assert_guarded,
-    check_plain,
+    assert_plain_exposed,
+    assert_plain_not_exposed,
     installed,
-    plain_async,
-    plain_sync,
     report,
     run_async,
     run_sync,
@@ -32,6 +31,9 @@ def arguments(stream: bool) -> dict[str, object]:
 
 
 def test_openai_sync(racy_server: LlamaServerEmulator) -> None:
+    """Not exposed: the sync stream closes the response at ``[DONE]``, so no request reaches a connection a stream
+    left -- the server dropped 0 and plain lost 0."""
+
     def client_call(client: openai.OpenAI):
         def call(index: int, stream: bool) -> str:
             if stream:
@@ -43,12 +45,12 @@ def test_openai_sync(racy_server: LlamaServerEmulator) -> None:
 
     client = openai.OpenAI(base_url=f"{racy_server.url}/v1", api_key="sk-none", max_retries=0)
     call = client_call(client)
-    plain = plain_sync(racy_server, call, exposed=False)
+    plain = run_sync(racy_server, call)
     with installed(racy_server) as installation:
         guarded = run_sync(racy_server, call)
         report("openai 3.x", "sync", plain, guarded)
         assert_guarded(guarded, installation.stats.requests)
-    check_plain(plain, exposed=False, why="its sync stream closes the response at [DONE]")
+    assert_plain_not_exposed(plain)
     client.close()
 
     transport = llama_guard.httpx2.GuardTransport()
@@ -63,6 +65,9 @@ def test_openai_sync(racy_server: LlamaServerEmulator) -> None:
 
 
 def test_openai_async(racy_server: LlamaServerEmulator) -> None:
+    """Exposed: the async stream drains the body after ``[DONE]`` on HTTP/1.1 and pools the connection, so plain loses
+    exactly the requests the server dropped there."""
+
     def client_call(client: openai.AsyncOpenAI):
         async def call(index: int, stream: bool) -> str:
             if stream:
@@ -75,13 +80,14 @@ def test_openai_async(racy_server: LlamaServerEmulator) -> None:
 
     async def scenario() -> None:
         client = openai.AsyncOpenAI(base_url=f"{racy_server.url}/v1", api_key="sk-none", max_retries=0)
-        call = client_call(client)
-        plain = await plain_async(racy_server, call, exposed=True)
+        plain = await run_async(racy_server, client_call(client))
+        await client.close()  # its pool holds connections streams left: a new client for the guard
+        assert_plain_exposed(plain)
         with installed(racy_server) as installation:
-            guarded = await run_async(racy_server, call)
+            client = openai.AsyncOpenAI(base_url=f"{racy_server.url}/v1", api_key="sk-none", max_retries=0)
+            guarded = await run_async(racy_server, client_call(client))
             report("openai 3.x", "async", plain, guarded)
             assert_guarded(guarded, installation.stats.requests)
-        check_plain(plain, exposed=True, why="its async stream drains the body after [DONE] on HTTP/1.1")
         await client.close()
 
         transport = llama_guard.httpx2.AsyncGuardTransport()
