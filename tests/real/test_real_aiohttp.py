@@ -6,6 +6,10 @@ Each of 32 sessions (one connection each) sends its first completion at once, so
 non-blocking connects back to back, and then keeps sending one every ``BURST_PAUSE`` s. Plain aiohttp leaves some
 first requests unanswered for the whole 5 s window; through ``guarded_session`` none is stuck, each first response
 comes within the bound the policy's probe deadlines give, and the server ran exactly the completions answered.
+
+Measured here (2 cores shared with other work), 4 runs of this file: plain, 13 to 28 of 32 first requests stuck,
+each on the first fresh server; guarded, 0 stuck, 5 to 28 probes failed (one run needed a second fresh server: no
+probe failed on the first), a first request took at most 2 attempts, the slowest first response 0.9 to 1.0 s.
 """
 
 from __future__ import annotations
@@ -181,6 +185,8 @@ def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[n
         assert burst.server_ran == burst.answered, f"{where}: the server ran other than the completions answered"
         assert burst.stats.requests == burst.answered, where
         assert burst.stats.probes_failed == burst.stats.stall_reconnects, where
+        # One probed connection per session, plus one per replacement: no connection went unprobed or extra.
+        assert burst.stats.probes_sent == BURST + burst.stats.probes_failed, where
     assert runs[-1].stats is not None
     assert runs[-1].stats.probes_failed >= 1, (
         f"no probe failed in {STALL_TRIES} bursts on fresh servers with {STALL_CONDITION}: the stall (defect 2) "
