@@ -392,7 +392,9 @@ def test_connection_burst_stalls_plain_clients(real_server):
 
 # -- 3. healthy slow requests ----------------------------------------------------------------------------------
 
-SLOW_TOKENS = 2000  # about 3 s of generation for the tiny model with --threads 1 on an idle core
+# Long enough that the first headers come after 1 s even on a fast, quiet core (2,000 tokens took 0.82 s there, about
+# 2,400 tokens/s); the tiny model's 4,096-token context holds it with the prompt.
+SLOW_TOKENS = 3500
 QUEUED_STREAM_TOKENS = 64
 SLOW_TIMEOUT = httpx.Timeout(10.0, read=120.0)
 
