@@ -153,4 +153,20 @@ class FinHoldingRelay:
         finally:
             selector.close()
             server.close()
-            client.close()
+            _close_gracefully(client)
+
+
+def _close_gracefully(sock: socket.socket, *, drain_for: float = 1.0) -> None:
+    """Close with a FIN, never a reset: whether a request ends as "disconnected" or "connection reset" must not
+    depend on timing. Closing a socket that still has unread bytes (a request body that arrived after its headers)
+    sends a reset, so the relay says FIN first, then reads what the client still sends until it closes too."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(drain_for)
+        deadline = time.monotonic() + drain_for
+        while time.monotonic() < deadline and sock.recv(65536):
+            pass
+    except OSError:
+        pass
+    finally:
+        sock.close()
