@@ -11,6 +11,7 @@ from llama_guard._core.decisions import (
     Progress,
     ProgressTracker,
     classify_request,
+    first_attempt_goes_as_is,
     is_inference_path,
     is_streaming_response,
     parse_retry_after,
@@ -294,3 +295,28 @@ def test_a_tracker_fed_by_connection_hooks_assumes_the_worst_after_connecting() 
     assert connecting.effective_progress() is Progress.NOTHING  # connect or probe failed: nothing sent
     connecting.connected()
     assert connecting.effective_progress() is Progress.WRITTEN
+
+
+@pytest.mark.parametrize(
+    ("body", "overrides", "deadline", "closes_stream", "hooks_follow", "as_is"),
+    [
+        (b"{}", False, False, False, True, True),  # the usual request: no per-request state
+        (None, False, False, False, True, False),  # a one-shot body must be kept for a retry
+        (b"{}", True, False, False, True, False),  # per-request options
+        (b"{}", False, True, False, True, False),  # a first-byte deadline to arm
+        (b"{}", False, False, True, True, False),  # Connection: close to add to a llama stream
+        (b"{}", False, False, False, False, False),  # the adapter cannot see the attempt's connection
+        (b"", False, False, False, True, True),  # an empty body is a body
+    ],
+)
+def test_first_attempt_goes_as_is(body, overrides, deadline, closes_stream, hooks_follow, as_is) -> None:
+    assert (
+        first_attempt_goes_as_is(
+            body,
+            has_overrides=overrides,
+            adds_deadline=deadline,
+            closes_stream=closes_stream,
+            hooks_follow=hooks_follow,
+        )
+        is as_is
+    )

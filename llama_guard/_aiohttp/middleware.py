@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import tenacity
 
-from .._core.decisions import is_streaming_response
+from .._core.decisions import first_attempt_goes_as_is, is_streaming_response
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.request_state import RETRIED_STATUSES
@@ -105,11 +105,11 @@ class GuardMiddleware:
         overrides = _OPTIONS.get()
         policy = self.policy if overrides is None else self.policy.merged(overrides)
         body, stream = await request_body(request)
-        if (
-            overrides is None
-            and body is not None
-            and policy.first_byte_timeout is None
-            and not (stream and policy.stream_mode == "close")
+        if first_attempt_goes_as_is(
+            body,
+            has_overrides=overrides is not None,
+            adds_deadline=policy.first_byte_timeout is not None,
+            closes_stream=stream and policy.stream_mode == "close",
         ):
             return await self._first_attempt_as_is(
                 FirstAttempt(request, origin, policy, self.stats, body, stream, started), handler

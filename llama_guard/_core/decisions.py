@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, TypeGuard
 
 from .stream_detection import wants_stream
 
@@ -34,6 +34,7 @@ __all__ = [
     "RequestKind",
     "Verdict",
     "classify_request",
+    "first_attempt_goes_as_is",
     "is_inference_path",
     "is_streaming_response",
     "parse_retry_after",
@@ -121,6 +122,19 @@ def classify_request(method: str, path: str, body: bytes | None) -> RequestKind:
         stream=body is not None and method == "POST" and wants_stream(body),
         replayable=body is not None,
     )
+
+
+def first_attempt_goes_as_is(
+    body: bytes | None, *, has_overrides: bool, adds_deadline: bool, closes_stream: bool, hooks_follow: bool = True
+) -> TypeGuard[bytes]:
+    """Whether a request's first attempt may go out exactly as the caller built it, with no per-request state.
+
+    That needs: no per-request options, a ``body`` that can be sent again (not None: a one-shot stream would need a
+    copy before a retry), no first-byte deadline to arm, no ``Connection: close`` to add (a llama stream in "close"
+    mode), and an adapter that sees the attempt's connection anyway (``hooks_follow``: it can still probe a new
+    connection and catch a failure). Every adapter asks this one question, so that they agree on which requests
+    pay for the guard's bookkeeping."""
+    return hooks_follow and body is not None and not (has_overrides or adds_deadline or closes_stream)
 
 
 class Progress(enum.IntEnum):

@@ -14,6 +14,7 @@ import httpcore
 import httpx
 import tenacity
 
+from .._core.decisions import first_attempt_goes_as_is
 from .._core.log import logger
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
@@ -94,10 +95,8 @@ class GuardTransport(httpx.BaseTransport):
         self._probe_connection = self._probe
         # Read for every request: plain attributes.
         self._every_origin = self._origins.every_origin
-        # The first attempt can go out as it is (FirstAttempt) when the hooks follow it and the policy adds nothing
-        # to the request; a llama stream gets `Connection: close` in "close" mode.
-        self._plain_first_attempts = self._hooked and self._policy.first_byte_timeout is None
         self._close_streams = self._policy.stream_mode == "close"
+        self._adds_deadline = self._policy.first_byte_timeout is not None
         self._drops_streams = self._policy.stream_mode != "off"
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
@@ -134,7 +133,13 @@ class GuardTransport(httpx.BaseTransport):
         policy = self._policy if overrides is None else self._policy.merged(overrides)
         body, stream = request_body(request)
         started = time.monotonic()
-        if overrides is not None or body is None or not self._plain_first_attempts or (stream and self._close_streams):
+        if not first_attempt_goes_as_is(
+            body,
+            has_overrides=overrides is not None,
+            adds_deadline=self._adds_deadline,
+            closes_stream=stream and self._close_streams,
+            hooks_follow=self._hooked,
+        ):
             # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
             run = RequestRun(
                 request,
