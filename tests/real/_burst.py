@@ -42,9 +42,33 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import llama_guard
 from llama_guard.testing._cpu_load import CpuHogs
 
 from ._raw_http import RawConnection, request_bytes
+
+# The guarded burst tests' load (httpx and aiohttp alike): 32 connections, each requesting in a loop.
+BURST = 32
+BURST_SECONDS = 10.0
+BURST_PAUSE = 0.15  # keeps each connection busy without reaching cpp-httplib's 100 requests per connection
+BURST_TOKENS = 4
+
+
+def stalled_first_request_worst(policy: llama_guard.GuardPolicy) -> float:
+    """Seconds a first request whose connections keep stalling waits before its last attempt, by ``policy``: the
+    probe deadline of each failed attempt (0.5, 0.5, 1 s by default), each followed by a reconnect jitter of at
+    most as long. Under the stall conditions a replacement can stall again, so every attempt may be needed."""
+    deadlines = [policy.probe_timeout, policy.probe_timeout]
+    while len(deadlines) < policy.max_attempts - 1:
+        deadlines.append(min(deadlines[-1] * 2, policy.probe_timeout_max))
+    return 2 * sum(deadlines[: policy.max_attempts - 1])
+
+
+# The test's wall-clock bound on a first response: twice the policy's worst case (4 s by default), for the
+# server's own slowness in the conditions the test creates (half a core). The plain clients' stalled first
+# requests wait the whole run (their 5 s timeout) instead.
+FIRST_RESPONSE_BOUND = 2 * stalled_first_request_worst(llama_guard.GuardPolicy())
+
 
 HEALTH = request_bytes("GET", "/health")
 

@@ -27,10 +27,20 @@ import llama_guard
 from llama_guard.aiohttp import guard_result, guarded_session
 from llama_guard.testing._real_server import RealLlamaServer
 
-from ._burst import STALL_CONDITION, STALL_SERVER, STALL_TRIES, stall_load, until_stalled
+from ._burst import (
+    BURST,
+    BURST_PAUSE,
+    BURST_SECONDS,
+    BURST_TOKENS,
+    FIRST_RESPONSE_BOUND,
+    STALL_CONDITION,
+    STALL_SERVER,
+    STALL_TRIES,
+    stall_load,
+    until_stalled,
+)
 from ._counting import completion, completions_ran
 from ._raw_http import CHAT
-from .test_real_guard import BURST, BURST_PAUSE, BURST_SECONDS, BURST_TOKENS, FIRST_RESPONSE_BOUND
 
 pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 

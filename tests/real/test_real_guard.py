@@ -40,7 +40,18 @@ from llama_guard.testing import open_burst
 from llama_guard.testing._real_server import RealLlamaServer
 
 from .._drivers import FLAVORS, Driver, Outcome, close_driver, gather, make_driver, run_scenario
-from ._burst import STALL_CONDITION, STALL_SERVER, STALL_TRIES, stall_load, until_stalled
+from ._burst import (
+    BURST,
+    BURST_PAUSE,
+    BURST_SECONDS,
+    BURST_TOKENS,
+    FIRST_RESPONSE_BOUND,
+    STALL_CONDITION,
+    STALL_SERVER,
+    STALL_TRIES,
+    stall_load,
+    until_stalled,
+)
 from ._counting import body_problem, completion, completions_ran, settled_tokens
 from ._fin_hold import FinHoldingRelay
 from ._raw_http import CHAT
@@ -183,27 +194,6 @@ def test_proxy_like_load_loses_requests_with_plain_httpx(real_server, flavor):
 
 
 # -- 2. burst of new connections -------------------------------------------------------------------------------
-
-BURST = 32
-BURST_SECONDS = 10.0
-BURST_PAUSE = 0.15  # keeps each connection busy without reaching cpp-httplib's 100 requests per connection
-BURST_TOKENS = 4
-
-
-def stalled_first_request_worst(policy: llama_guard.GuardPolicy) -> float:
-    """Seconds a first request whose connections keep stalling waits before its last attempt, by ``policy``: the
-    probe deadline of each failed attempt (0.5, 0.5, 1 s by default), each followed by a reconnect jitter of at
-    most as long. Under the stall conditions a replacement can stall again, so every attempt may be needed."""
-    deadlines = [policy.probe_timeout, policy.probe_timeout]
-    while len(deadlines) < policy.max_attempts - 1:
-        deadlines.append(min(deadlines[-1] * 2, policy.probe_timeout_max))
-    return 2 * sum(deadlines[: policy.max_attempts - 1])
-
-
-# The test's wall-clock bound on a first response: twice the policy's worst case (4 s by default), for the
-# server's own slowness in the conditions the test creates (half a core). The plain clients' stalled first
-# requests wait the whole run (their 5 s timeout) instead.
-FIRST_RESPONSE_BOUND = 2 * stalled_first_request_worst(llama_guard.GuardPolicy())
 
 
 @dataclass
