@@ -681,6 +681,7 @@ _PADDING = st.sampled_from(
         b"[" + b", ".join([b'{"a": true}'] * (_LIMIT // 12)) + b"]",
         b'{"stream": true, "prompt": "' + b"x" * _LIMIT + b'"}',
         b'"' + b"\\u00e9" * (_LIMIT // 6) + b'"',
+        b'"' + b":" * (wants_stream_module.COLONS_ONE_BY_ONE - 1) + b"x" * _LIMIT + b'"',  # where one by one ends
     ]
 )
 # Whitespace put around every colon: a run longer than the window `could_stream` looks at before a colon.
@@ -690,14 +691,17 @@ _COLON_SPACING = st.sampled_from([b"", b" ", b" " * 70, b"\r\n\t" * 30])
 @st.composite
 def large_bodies(draw: st.DrawFn) -> bytes:
     """A body from the generators above (escaped keys, nested "stream", escaped backslashes, repeated keys, any
-    bytes), whitespace around its colons, then made large by a member put first in its first object."""
+    bytes), whitespace around its colons, then made large by a member put first or last in its outer object."""
     body = draw(st.one_of(json_documents().flatmap(serialised), bodies_with_escapes(), ANY_BYTES))
     spacing = draw(_COLON_SPACING)
     body = body.replace(b":", spacing + b":" + spacing)
-    brace = body.find(b"{")
-    if brace == -1 or draw(st.integers(0, 9)) == 0:
-        return b" " * _LIMIT + body
-    return body[: brace + 1] + b'"padding": ' + draw(_PADDING) + b", " + body[brace + 1 :]
+    first, last = body.find(b"{"), body.rfind(b"}")
+    where = draw(st.sampled_from(["first", "last", "whitespace"]))
+    if where == "first" and first != -1:
+        return body[: first + 1] + b'"padding": ' + draw(_PADDING) + b", " + body[first + 1 :]
+    if where == "last" and last != -1:
+        return body[:last] + b', "padding": ' + draw(_PADDING) + body[last:]
+    return b" " * _LIMIT + body
 
 
 @fuzz(300)
@@ -747,6 +751,18 @@ def test_what_the_byte_filter_of_large_bodies_answers(body: bytes, could: bool) 
     assert wants_stream_module.could_stream(body) is could
     if not could:
         assert llama_server_streams(body) is False
+
+
+@pytest.mark.parametrize(
+    "after", range(wants_stream_module.COLONS_ONE_BY_ONE - 3, wants_stream_module.COLONS_ONE_BY_ONE + 3)
+)
+def test_the_byte_filter_finds_the_key_at_every_count_of_colons_after_it(after: int) -> None:
+    """The last colons are looked at one by one, the ones before them by a regular expression: no colon falls
+    between the two."""
+    body = b'{"stream": true, "prompt": "' + b":" * (after - 1) + b"x" * _LIMIT + b'"}'
+    assert body.count(b":") == after + 1
+    assert wants_stream_module.could_stream(body) is True
+    assert wants_stream(body) is True
 
 
 @pytest.mark.parametrize(

@@ -71,9 +71,9 @@ _LONGEST_STREAM_KEY: Final = 2 + 6 * len("\\u0073")
 _KEY_WINDOW: Final = 64
 _TRUE_AFTER_COLON: Final = re.compile(rb"[ \t\r\n]*true")
 _COLON_TRUE: Final = re.compile(rb":[ \t\r\n]*true")
-# Colons looked at one by one (found at memchr speed); past these, a regular expression skips the colons not
-# followed by true at C speed.
-_COLONS_ONE_BY_ONE: Final = 64
+# Colons looked at one by one, from the end (found at memchr speed; clients write "stream" after the messages);
+# before these, a regular expression skips the colons not followed by true at C speed.
+COLONS_ONE_BY_ONE: Final = 64
 # Colons followed by true whose key is looked at; past these the parse decides (a body of many booleans).
 _TRUE_CANDIDATES: Final = 64
 
@@ -82,16 +82,16 @@ def could_stream(body: bytes) -> bool:
     """False only when ``body`` cannot ask for ``"stream": true``: no colon in it is followed by ``true`` and
     preceded by a key that reads ``stream``. llama-server's top-level ``"stream": true`` is such a colon, so a
     False is always right; a True (also for a colon inside a string, or a nested key) leaves it to the parse."""
-    colon = body.find(b":")
-    for _ in range(_COLONS_ONE_BY_ONE):
+    end = len(body)
+    for _ in range(COLONS_ONE_BY_ONE):
+        colon = body.rfind(b":", 0, end)
         if colon == -1:
             return False
         if _TRUE_AFTER_COLON.match(body, colon + 1) and _stream_key_before(body, colon):
             return True
-        colon = body.find(b":", colon + 1)
-    if colon == -1:
-        return False
-    for candidates, found in enumerate(_COLON_TRUE.finditer(body, colon)):
+        end = colon
+    # The colons before `end`: a match of ':', whitespace and true holds one colon, so it ends before that one.
+    for candidates, found in enumerate(_COLON_TRUE.finditer(body, 0, end)):
         if candidates == _TRUE_CANDIDATES or _stream_key_before(body, found.start()):
             return True
     return False
