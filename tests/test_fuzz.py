@@ -670,6 +670,101 @@ def test_stream_detection_of_escaped_backslashes_and_surrogates(body: bytes) -> 
     assert wants_stream(deep) is expected
 
 
+# What a large body may hold before or around its keys: many colons (past the ones looked at one by one), many
+# colons followed by true (past the candidates looked at), "stream": true inside a string or a nested object.
+_LIMIT = wants_stream_module.BYTE_CHECK_LIMIT
+_PADDING = st.sampled_from(
+    [
+        b'"' + b"x" * _LIMIT + b'"',
+        b'"' + b":" * _LIMIT + b'"',
+        b'"' + b'\\"stream\\": true, ' * (_LIMIT // 16) + b'"',
+        b"[" + b", ".join([b'{"a": true}'] * (_LIMIT // 12)) + b"]",
+        b'{"stream": true, "prompt": "' + b"x" * _LIMIT + b'"}',
+        b'"' + b"\\u00e9" * (_LIMIT // 6) + b'"',
+        b'"' + b":" * (wants_stream_module.COLONS_ONE_BY_ONE - 1) + b"x" * _LIMIT + b'"',  # where one by one ends
+    ]
+)
+# Whitespace put around every colon: a run longer than the window `could_stream` looks at before a colon.
+_COLON_SPACING = st.sampled_from([b"", b" ", b" " * 70, b"\r\n\t" * 30])
+
+
+@st.composite
+def large_bodies(draw: st.DrawFn) -> bytes:
+    """A body from the generators above (escaped keys, nested "stream", escaped backslashes, repeated keys, any
+    bytes), whitespace around its colons, then made large by a member put first or last in its outer object."""
+    body = draw(st.one_of(json_documents().flatmap(serialised), bodies_with_escapes(), ANY_BYTES))
+    spacing = draw(_COLON_SPACING)
+    body = body.replace(b":", spacing + b":" + spacing)
+    first, last = body.find(b"{"), body.rfind(b"}")
+    where = draw(st.sampled_from(["first", "last", "whitespace"]))
+    if where == "first" and first != -1:
+        return body[: first + 1] + b'"padding": ' + draw(_PADDING) + b", " + body[first + 1 :]
+    if where == "last" and last != -1:
+        return body[:last] + b', "padding": ' + draw(_PADDING) + body[last:]
+    return b" " * _LIMIT + body
+
+
+@fuzz(300)
+@given(large_bodies())
+@example(b" " * _LIMIT + b'{"\\u0073\\u0074\\u0072\\u0065\\u0061\\u006D": true}')  # every letter escaped
+@example(b" " * _LIMIT + b'{"stream"' + b" " * 100 + b":" + b" " * 100 + b"true}")  # the key beyond the window
+@example(b" " * _LIMIT + b'{"p": "\\\\ud800", "stream": true}')  # an escaped backslash, then the letters ud800
+@example(b" " * _LIMIT + b'{"stream": true, "stream": false}')  # the last of repeated keys wins
+@example(b" " * _LIMIT + b'{"stream": false, "stream": true}')
+@example(b" " * _LIMIT + b'{"x": {"stream": true}}')  # nested: not a stream
+def test_the_byte_filter_of_large_bodies_never_hides_a_stream(body: bytes) -> None:
+    """`could_stream` says False only for bodies llama-server does not stream, and a large body's answer is the
+    oracle's whether the filter or the parse gives it."""
+    expected = llama_server_streams(body)
+    filtered = not wants_stream_module.could_stream(body)
+    event(f"streams: {expected}, filtered out: {filtered}")
+    assert not (expected and filtered)
+    assert len(body) >= _LIMIT
+    assert wants_stream(body) is expected
+
+
+@pytest.mark.parametrize(
+    ("body", "could"),
+    [
+        (b'{"stream": false, "prompt": "' + b"x" * _LIMIT + b'"}', False),
+        (b'{"prompt": "' + b"\\u00e9" * _LIMIT + b'", "stream": false}', False),
+        (b'{"prompt": "' + b"a: b, " * _LIMIT + b'"}', False),  # many colons, none followed by true
+        (b'{"prompt": "' + b"\\u0073tream: true " * 60 + b"x" * _LIMIT + b'"}', False),  # no key: no quotes
+        (b'{"prompt": "' + b"x" * _LIMIT + b'", "stream": true}', True),
+        (b'{"prompt": "' + b"x" * _LIMIT + b'", "str\\u0065am"\t:\ntrue}', True),
+        (b'{"prompt": "' + b"x" * _LIMIT + b'", "stream"' + b" " * 200 + b": true}", True),  # undecided: parse
+        (b'{"flags": [' + b'{"a": true}, ' * 200 + b'{"a": true}], "stream": false}', True),  # past the candidates
+    ],
+    ids=[
+        "stream-false",
+        "escapes-stream-false",
+        "many-colons",
+        "unquoted-key-in-text",
+        "stream-true",
+        "escaped-key-and-whitespace",
+        "long-whitespace-before-colon",
+        "many-true-values",
+    ],
+)
+def test_what_the_byte_filter_of_large_bodies_answers(body: bytes, could: bool) -> None:
+    """The filter rules out bodies without a key reading "stream" before ': true'; a True leaves it to the parse."""
+    assert wants_stream_module.could_stream(body) is could
+    if not could:
+        assert llama_server_streams(body) is False
+
+
+@pytest.mark.parametrize(
+    "after", range(wants_stream_module.COLONS_ONE_BY_ONE - 3, wants_stream_module.COLONS_ONE_BY_ONE + 3)
+)
+def test_the_byte_filter_finds_the_key_at_every_count_of_colons_after_it(after: int) -> None:
+    """The last colons are looked at one by one, the ones before them by a regular expression: no colon falls
+    between the two."""
+    body = b'{"stream": true, "prompt": "' + b":" * (after - 1) + b"x" * _LIMIT + b'"}'
+    assert body.count(b":") == after + 1
+    assert wants_stream_module.could_stream(body) is True
+    assert wants_stream(body) is True
+
+
 @pytest.mark.parametrize(
     ("number", "expected"),
     [

@@ -12,10 +12,11 @@ handled here, each in the direction of llama-server:
 
 A body llama-server rejects streams nothing, so it is "not a stream".
 
-Cost: one ``json.loads`` (C speed), then checks that run only when the answer would be "a stream" (they can only
-turn it into "not a stream"), each a fraction of a pass over the body or a walk of the few strings a prompt-like
-body holds. Sans-I/O; tested in ``tests/test_fuzz.py`` against llama-server's rules and in
-``tests/test_decisions.py`` as a table.
+Cost: a byte filter first (`could_stream` above 64 KiB), which answers "not a stream" without parsing unless a
+colon is followed by ``true`` and preceded by a key that reads ``stream``; then one ``json.loads`` (C speed), and
+checks that run only when the answer would be "a stream" (they can only turn it into "not a stream"), each a
+fraction of a pass over the body or a walk of the few strings a prompt-like body holds. Sans-I/O; tested in
+``tests/test_fuzz.py`` against llama-server's rules and in ``tests/test_decisions.py`` as a table.
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import math
 import re
 from typing import Any, Final
 
-__all__ = ["wants_stream"]
+__all__ = ["could_stream", "wants_stream"]
 
-# Below this size a byte check answers most bodies without parsing; above it the check costs about as much as the
-# parse it would save (both are one pass over the body), so the body is parsed at once.
+# Below this size two searches for "stream" and an escape answer most bodies; above it `could_stream` does, which
+# costs a few microseconds more and a pass at memchr speed rather than two multi-byte searches.
 BYTE_CHECK_LIMIT: Final = 64 * 1024
 # parse_int: a C callable that returns a constant is faster than building each integer, whose value never decides
 # the answer (False in the document: not the boolean true).
@@ -44,7 +45,10 @@ def wants_stream(body: bytes) -> bool:
     # bytes.find, not the `in` operator: `x in body` first tries x as an integer, and raises and discards a
     # formatted TypeError before it searches (CPython 3.11), which cost more than the searches themselves.
     # A body with neither "stream" nor an escape (which could spell the key) cannot ask for a stream.
-    if len(body) < BYTE_CHECK_LIMIT and body.find(b"stream") == -1 and body.find(b"\\u") == -1:
+    if len(body) < BYTE_CHECK_LIMIT:
+        if body.find(b"stream") == -1 and body.find(b"\\u") == -1:
+            return False
+    elif not could_stream(body):
         return False
     try:
         text = body.decode("utf-8-sig")  # nlohmann skips a UTF-8 byte order mark too
@@ -56,6 +60,51 @@ def wants_stream(body: bytes) -> bool:
         return _reads_as_stream(body, text, walk=len(body) >= BYTE_CHECK_LIMIT)
     except _DuplicateKeys:  # rare: a repeated key's overwritten value is out of the walk's reach
         return _reads_as_stream(body, text, walk=False)
+
+
+# A key that reads "stream": each letter as itself or as its \u00XX escape (JSON can write a letter no other way),
+# ending where the text before a colon, its whitespace stripped, ends.
+_STREAM_KEY_AT_END: Final = re.compile(
+    rb'"(?:s|\\u0073)(?:t|\\u0074)(?:r|\\u0072)(?:e|\\u0065)(?:a|\\u0061)(?:m|\\u006[dD])"\Z'
+)
+_LONGEST_STREAM_KEY: Final = 2 + 6 * len("\\u0073")
+_KEY_WINDOW: Final = 64
+_TRUE_AFTER_COLON: Final = re.compile(rb"[ \t\r\n]*true")
+_COLON_TRUE: Final = re.compile(rb":[ \t\r\n]*true")
+# Colons looked at one by one, from the end (found at memchr speed; clients write "stream" after the messages);
+# before these, a regular expression skips the colons not followed by true at C speed.
+COLONS_ONE_BY_ONE: Final = 64
+# Colons followed by true whose key is looked at; past these the parse decides (a body of many booleans).
+_TRUE_CANDIDATES: Final = 64
+
+
+def could_stream(body: bytes) -> bool:
+    """False only when ``body`` cannot ask for ``"stream": true``: no colon in it is followed by ``true`` and
+    preceded by a key that reads ``stream``. llama-server's top-level ``"stream": true`` is such a colon, so a
+    False is always right; a True (also for a colon inside a string, or a nested key) leaves it to the parse."""
+    end = len(body)
+    for _ in range(COLONS_ONE_BY_ONE):
+        colon = body.rfind(b":", 0, end)
+        if colon == -1:
+            return False
+        if _TRUE_AFTER_COLON.match(body, colon + 1) and _stream_key_before(body, colon):
+            return True
+        end = colon
+    # The colons before `end`: a match of ':', whitespace and true holds one colon, so it ends before that one.
+    for candidates, found in enumerate(_COLON_TRUE.finditer(body, 0, end)):
+        if candidates == _TRUE_CANDIDATES or _stream_key_before(body, found.start()):
+            return True
+    return False
+
+
+def _stream_key_before(body: bytes, colon: int) -> bool:
+    """Whether a key that reads ``stream`` may end before ``colon`` (True too when whitespace hides what is before
+    it: then the parse decides)."""
+    start = max(0, colon - _KEY_WINDOW)
+    head = body[start:colon].rstrip(b" \t\r\n")
+    if start and len(head) < _LONGEST_STREAM_KEY:
+        return True
+    return _STREAM_KEY_AT_END.search(head) is not None
 
 
 def _reads_as_stream(body: bytes, text: str, *, walk: bool) -> bool:
