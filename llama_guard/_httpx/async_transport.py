@@ -6,6 +6,7 @@ that the generated file is current. Keep the I/O here and every decision in the 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -14,7 +15,8 @@ import httpcore
 import httpx
 import tenacity
 
-from .._core.log import logger
+from .._core.log import STALL_LOG, logger
+from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, OriginProbes, ProbeBook
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -33,7 +35,7 @@ from .internals import (
     hookable_pool,
     streaming_check,
 )
-from .sockets import shutdown_connection
+from .sockets import answer_waiting, finish_writing, shutdown_connection
 
 __all__ = ["AsyncGuardTransport"]
 
@@ -59,10 +61,12 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         policy: GuardPolicy | None = None,
         stats: GuardStats | None = None,
         origins: OriginRegistry | None = None,
+        probes: ProbeBook | None = None,
     ) -> None:
         """``stats``: a `GuardStats` to count into (shared by several transports), else a new one. ``origins``: the
         registry of llama-server origins to share with other transports (what `install()` passes); else the
-        policy's."""
+        policy's. ``probes``: where learnt probe deadlines and connection admission are kept per origin; else the
+        process's (`PROBE_BOOK`), shared by every transport."""
         if policy is not None and not isinstance(policy, GuardPolicy):
             raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
@@ -76,6 +80,11 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         self._policy = policy if policy is not None else GuardPolicy()
         self.stats = stats if stats is not None else GuardStats()
         self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
+        if probes is not None and not isinstance(probes, ProbeBook):
+            raise TypeError(f"probes must be a ProbeBook or None; got {type(probes).__name__}")
+        self._book = probes if probes is not None else PROBE_BOOK
+        # Connections whose probe was given up, kept open a while to see whether the answer comes after all.
+        self._given_up = _AsyncGivenUpProbes(self.stats)
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
         # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
@@ -119,6 +128,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         return self
 
     async def aclose(self) -> None:
+        await self._given_up.check(closing=True)
+        STALL_LOG.flush()
         await self._transport.aclose()
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -143,12 +154,15 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 stream=stream,
                 user_stream=request.stream,
                 started=started,
+                book=self._book,
             )
             return await self._guarded(run)
 
         # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
         # (FirstAttempt). Most requests are answered here, on a pooled connection.
-        first = FirstAttempt(self.stats, self._probe_connection, request, origin, policy, body, stream, started)
+        first = FirstAttempt(
+            self.stats, self._probe_connection, self._book, request, origin, policy, body, stream, started
+        )
         user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
         request.stream = first
         try:
@@ -278,6 +292,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         ssl_object = stream.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
             return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
+        await self._given_up.check()
         exchange = ProbeExchange(run.host_header)
         deadline = run.next_probe_deadline()
         started = time.monotonic()
@@ -285,13 +300,20 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             await stream.write(exchange.request_bytes(), timeout=deadline)
             answer = None
             while answer is None:
+                # The deadline in force may change while this probe waits: other probes of the origin are answered.
+                deadline = run.next_probe_deadline()
                 remaining = deadline - (time.monotonic() - started)
                 if remaining <= 0:
                     raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
-                answer = exchange.feed(await stream.read(65536, timeout=remaining))
+                try:
+                    data = await stream.read(65536, timeout=min(remaining, PROBE_SLICE))
+                except httpcore.ReadTimeout:
+                    await self._given_up.check()  # while probes wait, the answers of given-up ones are timed too
+                    continue
+                answer = exchange.feed(data)
         except httpcore.TimeoutException as exc:
-            await stream.aclose()
-            run.probe_failed(time.monotonic() - started)
+            run.probe_failed(time.monotonic() - started, given_up=True)
+            self._given_up.keep(stream, run.origin_probes, started, watch=run.policy.probe_timeout)
             raise ProbeTimeout(
                 f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
@@ -374,6 +396,47 @@ class _AsyncTracer:
             await self._prober(info["return_value"], run)
         if self._user_trace is not None:
             await self._user_trace(event, info)
+
+
+class _AsyncGivenUpProbes:
+    """Connections whose probe was given up, kept open for ``watch`` seconds to see whether the server answers after
+    all: then the connection was being served, only late, and giving up was a false alarm (``probes_answered_late``;
+    the origin learns the answer's latency). Looked at, without blocking, whenever the transport probes a connection;
+    closed when seen answered, closed by the server, or watched long enough, and all when the transport closes."""
+
+    def __init__(self, stats: GuardStats) -> None:
+        self._stats = stats
+        self._kept: list[tuple[Any, OriginProbes, float, float]] = []  # (stream, origin, probe started, watch until)
+        self._lock = threading.Lock()  # sync transports serve many threads; held for no I/O
+
+    def keep(self, stream: Any, probes: OriginProbes, started: float, *, watch: float) -> None:
+        finish_writing(stream)  # a server that reads it after all answers and closes: it holds no server thread
+        with self._lock:
+            self._kept.append((stream, probes, started, time.monotonic() + watch))
+
+    async def check(self, *, closing: bool = False) -> None:
+        """Count the late answers, and close what needs watching no longer (everything when ``closing``)."""
+        if not self._kept:
+            return
+        now = time.monotonic()
+        done = []
+        with self._lock:
+            kept = []
+            for entry in self._kept:
+                stream, probes, started, until = entry
+                waiting = answer_waiting(stream)
+                if waiting:
+                    # Seen at the latest one probe slice after it came while probes run; else when next looked at,
+                    # so the latency counted is at most the watch's length.
+                    self._stats.add(probes_answered_late=1)
+                    probes.probe_answered_late(min(now, until) - started)
+                if waiting is None and now < until and not closing:
+                    kept.append(entry)
+                else:
+                    done.append(stream)
+            self._kept = kept
+        for stream in done:
+            await stream.aclose()
 
 
 class _AsyncDropAfterStream(httpx.AsyncByteStream):

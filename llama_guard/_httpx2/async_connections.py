@@ -19,11 +19,13 @@ are its own, unwrapped (an https connection only until its TLS handshake).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpcore2 as httpcore
 
 from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
+from .._core.origin_probes import ADMISSION_POLL
 from .attempts import AttemptBody
 from .internals import network_backend, remove_instance_method, set_instance_method, set_network_backend
 
@@ -106,20 +108,48 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
         run = CURRENT_ATTEMPT.get()
-        if run is not None:
-            run.connecting()
-        stream = await self._backend.connect_tcp(
-            host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-        )
         if run is None:
-            return stream
+            return await self._backend.connect_tcp(
+                host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+            )
+        run.connecting()
         # Probe only a connection to the origin itself: through an HTTP proxy the connection is the proxy's.
-        if run.probing and host == run.request.url.host and port == run.origin.port:
-            if run.request.url.scheme == "https":
-                return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
-            await run.probe(stream)  # closes the stream and raises if the probe fails
+        probing = run.probing and host == run.request.url.host and port == run.origin.port
+        # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
+        # probe comes after httpcore's TLS handshake, outside this call.
+        ticket = await self._admission(run) if probing and run.request.url.scheme == "http" else None
+        try:
+            stream = await self._backend.connect_tcp(
+                host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+            )
+            if probing:
+                if run.request.url.scheme == "https":
+                    return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
+                await run.probe(stream)  # closes the stream and raises if the probe fails
+        finally:
+            if ticket is not None:
+                run.origin_probes.leave(ticket)
         run.connected()
         return stream
+
+    async def _admission(self, run: GuardedRequest) -> int | None:
+        """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the ticket to
+        hand back (`OriginProbes.leave`) once it is probed, or None."""
+        probes = run.origin_probes
+        if not probes.admission_needed(run.policy):
+            return None
+        ticket = probes.take_ticket()
+        if probes.admit(ticket):
+            return ticket
+        started = time.monotonic()
+        try:
+            while not probes.admit(ticket):
+                await self._backend.sleep(ADMISSION_POLL)
+        except BaseException:  # cancelled while waiting: give the place up
+            probes.leave(ticket)
+            raise
+        run.stats.record_admission_wait(time.monotonic() - started)
+        return ticket
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Any = None
