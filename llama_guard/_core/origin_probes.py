@@ -11,6 +11,13 @@ configured ``probe_timeout``. A busy server answers late and its answers raise t
 never answers and teaches nothing. A probe given up on whose answer still arrives (``probe_answered_late``) counts
 as an answer of that latency, so one false alarm lifts the deadline above it.
 
+Late answers (`GivenUpProbe`): a connection given up on is kept, half closed, and looked at without reading
+(``peek``, the adapter's I/O) whenever a probe of the origin starts, waits a slice, or is answered. An answer seen
+there counts as late (a false alarm: the server was serving it, only slowly) unless a connection opened after the
+give-up was being probed meanwhile: cpp-httplib serves waiting connections oldest first, so the thread it starts for
+a new connection first answers the stalled ones, just before the new one; such an answer proves nothing about load.
+The count is so a lower bound of false alarms (a server's own count of ``GET /health`` is the exact one).
+
 Admission: while a probe of the origin was given up within ``RECOVERY_WINDOW`` seconds (``"after_stall"``), or
 always (``"always"``), new connections to it are opened and probed one at a time, in the order they asked: the
 next connection is opened once the previous one's probe was answered or given up. Reconnects after a stall then
@@ -23,9 +30,12 @@ import collections
 import contextlib
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from .origins import Origin
 from .policy import GuardPolicy
+from .stats import GuardStats
 
 __all__ = [
     "ADMISSION_POLL",
@@ -34,6 +44,7 @@ __all__ = [
     "PROBE_SLICE",
     "RECOVERY_WINDOW",
     "WINDOW",
+    "GivenUpProbe",
     "OriginProbes",
     "ProbeBook",
 ]
@@ -51,15 +62,47 @@ ADMISSION_POLL = 0.001
 PROBE_SLICE = 0.02
 
 
+@dataclass(eq=False)
+class GivenUpProbe:
+    """A connection whose probe was given up, watched for a late answer. The adapter that gave it up closes the
+    connection once ``settled``."""
+
+    peek: Callable[[], bool | None]  # True: bytes wait to be read; False: closed or reset; None: nothing yet
+    stats: GuardStats  # of the transport that gave it up
+    started: float  # when its probe was sent
+    watch_until: float
+    newer_than: int  # probes of the origin started before the give-up: an answer to a later one may drain this
+    looked_at: float  # the last look that found nothing
+    settled: bool = False
+    answered_late: bool = False
+
+
 class OriginProbes:
     """The probe state of one origin; thread-safe (sync transports share it between threads)."""
 
-    __slots__ = ("_answers", "_in_progress", "_last_given_up", "_lock", "_next_ticket", "_queue", "origin")
+    __slots__ = (
+        "_answers",
+        "_given_up",
+        "_in_progress",
+        "_last_given_up",
+        "_lock",
+        "_next_ticket",
+        "_probes_pending",
+        "_probes_started",
+        "_queue",
+        "_recent_answers",
+        "origin",
+    )
 
     def __init__(self, origin: Origin) -> None:
         self.origin = origin
         self._lock = threading.Lock()
         self._answers: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        # (when, probe number) of recent answers: tells an answer drained by a newer connection.
+        self._recent_answers: collections.deque[tuple[float, int]] = collections.deque(maxlen=WINDOW)
+        self._probes_started = 0
+        self._probes_pending: set[int] = set()
+        self._given_up: list[GivenUpProbe] = []
         self._last_given_up = -RECOVERY_WINDOW
         self._queue: collections.deque[int] = collections.deque()
         self._in_progress: set[int] = set()
@@ -79,22 +122,78 @@ class OriginProbes:
         return min(max(slowest * policy.probe_learning_factor, policy.probe_timeout_min), configured)
 
     def answers_seen(self) -> int:
+        """Answers the deadline is learnt from (late answers included)."""
         with self._lock:
             return len(self._answers)
 
-    def probe_answered(self, seconds: float) -> None:
+    def probe_started(self) -> int:
+        """A probe of a new connection is sent: its number, for `probe_answered`."""
+        self.check_given_up()
         with self._lock:
+            self._probes_started += 1
+            self._probes_pending.add(self._probes_started)
+            return self._probes_started
+
+    def probe_answered(self, seconds: float, number: int) -> None:
+        """The probe ``number`` (from `probe_started`) was answered in ``seconds``."""
+        self.check_given_up()
+        with self._lock:
+            self._probes_pending.discard(number)
             self._answers.append(seconds)
+            self._recent_answers.append((time.monotonic(), number))
 
-    def probe_given_up(self) -> None:
-        """A probe's deadline passed without an answer: the origin is recovering from a stall."""
+    def probe_failed(self, number: int) -> None:
+        """The probe ``number`` failed with an error (a given-up one: `probe_given_up`)."""
         with self._lock:
-            self._last_given_up = time.monotonic()
+            self._probes_pending.discard(number)
 
-    def probe_answered_late(self, seconds: float) -> None:
-        """A probe given up on was answered after all, ``seconds`` after it was sent: a false alarm. Counted as an
-        answer, so the deadline rises above it."""
-        self.probe_answered(seconds)
+    def probe_given_up(
+        self, number: int, peek: Callable[[], bool | None], stats: GuardStats, started: float, *, watch: float
+    ) -> GivenUpProbe:
+        """The probe ``number``'s deadline passed without an answer: the origin is recovering from a stall. ``peek``
+        looks at the connection, kept half closed, for up to ``watch`` seconds after the probe was sent (an answer
+        later than any probe of the guard would wait for is no false alarm), until the returned watch is settled;
+        then the adapter closes it."""
+        now = time.monotonic()
+        with self._lock:
+            self._probes_pending.discard(number)
+            self._last_given_up = now
+            given_up = GivenUpProbe(peek, stats, started, started + watch, self._probes_started, now)
+            self._given_up.append(given_up)
+        return given_up
+
+    def check_given_up(self) -> None:
+        """Look at the connections given up on: count late answers, settle what needs watching no longer."""
+        if not self._given_up:
+            return
+        now = time.monotonic()
+        with self._lock:
+            watches, self._given_up = self._given_up, []
+            recent = list(self._recent_answers)
+            newest_pending = max(self._probes_pending, default=0)
+        pending = []
+        for watch in watches:
+            if watch.settled:  # by its transport, which closed
+                continue
+            waiting = watch.peek()
+            if waiting is None and now < watch.watch_until:
+                watch.looked_at = now
+                pending.append(watch)
+                continue
+            # Was a connection opened after the give-up being probed since the last look? Then that connection's
+            # thread may have answered this one on its way.
+            drained = newest_pending > watch.newer_than or any(
+                when >= watch.looked_at and number > watch.newer_than for when, number in recent
+            )
+            if waiting and not drained:
+                watch.answered_late = True
+                watch.stats.add(probes_answered_late=1)
+                with self._lock:
+                    self._answers.append(now - watch.started)  # it came since the last look: at most this late
+            watch.settled = True
+        if pending:
+            with self._lock:
+                self._given_up.extend(pending)
 
     # -- admission ---------------------------------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ attempt's request and body, and exception classes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import tenacity
@@ -22,7 +23,7 @@ from .decisions import (
     verdict_for_status,
 )
 from .log import STALL_LOG, describe_request, logger
-from .origin_probes import OriginProbes, ProbeBook
+from .origin_probes import GivenUpProbe, OriginProbes, ProbeBook
 from .origins import Origin
 from .policy import GuardPolicy
 from .probe import probe_deadline
@@ -79,6 +80,7 @@ class RequestState:
         "history",
         "policy",
         "probe_deadline_used",
+        "probe_number",
         "prober",
         "reconnects",
         "request",
@@ -115,6 +117,7 @@ class RequestState:
         self._origin_probes: OriginProbes | None = None
         self.book = book
         self.probe_deadline_used = policy.probe_timeout
+        self.probe_number = 0
         self.policy = policy
         self.stats = stats
         self.prober = prober
@@ -244,16 +247,27 @@ class RequestState:
         self.probe_deadline_used = deadline
         return deadline
 
+    def probe_started(self) -> None:
+        self.probe_number = self.origin_probes.probe_started()
+
     def probe_answered(self, seconds: float) -> None:
         self.stats.record_probe(seconds, answered=True)
-        self.origin_probes.probe_answered(seconds)
+        self.origin_probes.probe_answered(seconds, self.probe_number)
 
-    def probe_failed(self, seconds: float, *, given_up: bool = False) -> None:
-        """The probe failed: an error, or ``given_up`` (its deadline passed)."""
+    def probe_failed(self, seconds: float) -> None:
+        """The probe failed with an error."""
         self.failed_probes += 1
-        self.stats.record_probe(seconds, answered=False, given_up=given_up)
-        if given_up:
-            self.origin_probes.probe_given_up()
+        self.stats.record_probe(seconds, answered=False)
+        self.origin_probes.probe_failed(self.probe_number)
+
+    def probe_given_up(self, seconds: float, peek: Callable[[], bool | None]) -> GivenUpProbe:
+        """The probe's deadline passed; ``peek`` looks at its connection, kept half closed to see whether it is
+        answered late (`OriginProbes.probe_given_up`): the adapter closes it once the returned watch is settled."""
+        self.failed_probes += 1
+        self.stats.record_probe(seconds, answered=False, given_up=True)
+        return self.origin_probes.probe_given_up(
+            self.probe_number, peek, self.stats, time.monotonic() - seconds, watch=self.policy.probe_timeout_max
+        )
 
     def judge_failure(self, kind: FailureKind, error_name: str, detail: str) -> None:
         """Record a failed attempt (``error_name``: the exception class the caller would see) and set

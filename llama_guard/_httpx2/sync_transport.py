@@ -7,6 +7,7 @@ that the generated file is current. Keep the I/O here and every decision in the 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any, NoReturn
@@ -16,7 +17,7 @@ import httpx2 as httpx
 import tenacity
 
 from .._core.log import STALL_LOG, logger
-from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, OriginProbes, ProbeBook
+from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, GivenUpProbe, ProbeBook
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -84,7 +85,7 @@ class GuardTransport(httpx.BaseTransport):
             raise TypeError(f"probes must be a ProbeBook or None; got {type(probes).__name__}")
         self._book = probes if probes is not None else PROBE_BOOK
         # Connections whose probe was given up, kept open a while to see whether the answer comes after all.
-        self._given_up = _AsyncGivenUpProbes(self.stats)
+        self._given_up = _AsyncGivenUpProbes()
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
         # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
@@ -128,7 +129,7 @@ class GuardTransport(httpx.BaseTransport):
         return self
 
     def close(self) -> None:
-        self._given_up.check(closing=True)
+        self._given_up.close(everything=True)
         STALL_LOG.flush()
         self._transport.close()
 
@@ -292,8 +293,9 @@ class GuardTransport(httpx.BaseTransport):
         ssl_object = stream.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
             return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
-        self._given_up.check()
         exchange = ProbeExchange(run.host_header)
+        run.probe_started()
+        self._given_up.close()
         deadline = run.next_probe_deadline()
         started = time.monotonic()
         try:
@@ -308,12 +310,14 @@ class GuardTransport(httpx.BaseTransport):
                 try:
                     data = stream.read(65536, timeout=min(remaining, PROBE_SLICE))
                 except httpcore.ReadTimeout:
-                    self._given_up.check()  # while probes wait, the answers of given-up ones are timed too
+                    run.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
+                    self._given_up.close()
                     continue
                 answer = exchange.feed(data)
         except httpcore.TimeoutException as exc:
-            run.probe_failed(time.monotonic() - started, given_up=True)
-            self._given_up.keep(stream, run.origin_probes, started, watch=run.policy.probe_timeout)
+            finish_writing(stream)  # a server that reads it after all answers and closes: it holds no server thread
+            watch = run.probe_given_up(time.monotonic() - started, functools.partial(answer_waiting, stream))
+            self._given_up.keep(watch, stream)
             raise ProbeTimeout(
                 f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
@@ -399,42 +403,27 @@ class _SyncTracer:
 
 
 class _AsyncGivenUpProbes:
-    """Connections whose probe was given up, kept open for ``watch`` seconds to see whether the server answers after
-    all: then the connection was being served, only late, and giving up was a false alarm (``probes_answered_late``;
-    the origin learns the answer's latency). Looked at, without blocking, whenever the transport probes a connection;
-    closed when seen answered, closed by the server, or watched long enough, and all when the transport closes."""
+    """This transport's connections whose probe was given up, kept open (half closed) while their origin watches
+    for a late answer (`GivenUpProbe`), closed once it has settled, and all when the transport closes."""
 
-    def __init__(self, stats: GuardStats) -> None:
-        self._stats = stats
-        self._kept: list[tuple[Any, OriginProbes, float, float]] = []  # (stream, origin, probe started, watch until)
+    def __init__(self) -> None:
+        self._kept: list[tuple[GivenUpProbe, Any]] = []
         self._lock = threading.Lock()  # sync transports serve many threads; held for no I/O
 
-    def keep(self, stream: Any, probes: OriginProbes, started: float, *, watch: float) -> None:
-        finish_writing(stream)  # a server that reads it after all answers and closes: it holds no server thread
+    def keep(self, watch: GivenUpProbe, stream: Any) -> None:
         with self._lock:
-            self._kept.append((stream, probes, started, time.monotonic() + watch))
+            self._kept.append((watch, stream))
 
-    def check(self, *, closing: bool = False) -> None:
-        """Count the late answers, and close what needs watching no longer (everything when ``closing``)."""
+    def close(self, *, everything: bool = False) -> None:
+        """Close the connections whose watch has settled (all of them when ``everything``)."""
         if not self._kept:
             return
-        now = time.monotonic()
-        done = []
         with self._lock:
-            kept = []
-            for entry in self._kept:
-                stream, probes, started, until = entry
-                waiting = answer_waiting(stream)
-                if waiting:
-                    # Seen at the latest one probe slice after it came while probes run; else when next looked at,
-                    # so the latency counted is at most the watch's length.
-                    self._stats.add(probes_answered_late=1)
-                    probes.probe_answered_late(min(now, until) - started)
-                if waiting is None and now < until and not closing:
-                    kept.append(entry)
-                else:
-                    done.append(stream)
-            self._kept = kept
+            done = [stream for watch, stream in self._kept if watch.settled or everything]
+            if everything:
+                for watch, _ in self._kept:
+                    watch.settled = True
+            self._kept = [(watch, stream) for watch, stream in self._kept if not watch.settled]
         for stream in done:
             stream.close()
 
