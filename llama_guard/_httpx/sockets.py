@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
-import os
 import select
 import socket
 from typing import Any
+
+try:
+    import fcntl
+    import termios
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["answer_waiting", "finish_writing", "shutdown_connection"]
 
@@ -31,8 +37,9 @@ def shutdown_connection(network_stream: Any) -> bool:
 
 def answer_waiting(network_stream: Any) -> bool | None:
     """Whether a connection nobody reads has received bytes: True if some wait to be read, False if the peer closed
-    or reset it (or there is no socket to look at), None if nothing came yet. Looks without reading or blocking, on
-    the socket itself: every backend leaves unread bytes in the kernel once its own read ended."""
+    or reset it (or there is no socket to look at), None if nothing came yet. Looks without reading, blocking or
+    making a socket object, on the descriptor itself: every backend leaves unread bytes in the kernel once its own
+    read ended."""
     sock = network_stream.get_extra_info("socket")
     fileno = sock.fileno() if sock is not None else -1
     if fileno < 0:
@@ -45,9 +52,11 @@ def answer_waiting(network_stream: Any) -> bool | None:
                 return None
         elif not select.select([fileno], [], [], 0)[0]:
             return None
-        # A socket object of our own on a duplicate descriptor: the backend's may not offer recv().
-        with socket.socket(fileno=os.dup(fileno)) as duplicate:
-            return bool(duplicate.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        if fcntl is None:  # readable, and no way to count the bytes (Windows): take it for the end
+            return False
+        waiting = array.array("i", [0])
+        fcntl.ioctl(fileno, termios.FIONREAD, waiting, True)
+        return waiting[0] > 0  # readable with nothing to read: the peer closed
     except OSError:
         return False
 

@@ -17,7 +17,7 @@ import httpx2 as httpx
 import tenacity
 
 from .._core.log import STALL_LOG, logger
-from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, GivenUpProbe, ProbeBook
+from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, GivenUpProbe
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -62,12 +62,10 @@ class GuardTransport(httpx.BaseTransport):
         policy: GuardPolicy | None = None,
         stats: GuardStats | None = None,
         origins: OriginRegistry | None = None,
-        probes: ProbeBook | None = None,
     ) -> None:
         """``stats``: a `GuardStats` to count into (shared by several transports), else a new one. ``origins``: the
         registry of llama-server origins to share with other transports (what `install()` passes); else the
-        policy's. ``probes``: where learnt probe deadlines and connection admission are kept per origin; else the
-        process's (`PROBE_BOOK`), shared by every transport."""
+        policy's."""
         if policy is not None and not isinstance(policy, GuardPolicy):
             raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
         if transport is not None and not isinstance(transport, httpx.BaseTransport):
@@ -81,9 +79,8 @@ class GuardTransport(httpx.BaseTransport):
         self._policy = policy if policy is not None else GuardPolicy()
         self.stats = stats if stats is not None else GuardStats()
         self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
-        if probes is not None and not isinstance(probes, ProbeBook):
-            raise TypeError(f"probes must be a ProbeBook or None; got {type(probes).__name__}")
-        self._book = probes if probes is not None else PROBE_BOOK
+        # Learnt probe deadlines and connection admission, per origin: the process's, shared by every transport.
+        self._book = PROBE_BOOK
         # Connections whose probe was given up, kept open a while to see whether the answer comes after all.
         self._given_up = _AsyncGivenUpProbes()
         # install() must not guard this transport's requests a second time.
