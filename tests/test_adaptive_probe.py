@@ -197,13 +197,13 @@ def test_slow_health_answers_raise_no_false_alarm(flavor: str) -> None:
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_deadline_follows_rising_load(flavor: str) -> None:
     """Learnt on a fast server, then the server turns slow (every /health 120 ms late): the deadline rises from
-    the answers of further probes (the request's own probes wait 0.05, 0.05, 0.1, 0.2 s), and probes stop being
-    given up."""
-    policy = GuardPolicy(probe_timeout=1.0, backoff=0.01)
+    the answers of further probes (the request's own probes wait 0.05, 0.05, 0.1, 0.2, 0.4 s), and probes stop
+    being given up."""
+    policy = GuardPolicy(probe_timeout=1.0, backoff=0.01, max_attempts=6)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         run_scenario(flavor, new_connections, flavor, server.url, policy, LEARN_AFTER)
-        assert probes.deadline(policy) < 0.12
+        assert probes.deadline(policy) < 0.12  # 0.05 s unless the machine is very busy
         server.inject(Fault.READ_LATE, after=0.12, count=None)
         rising = run_scenario(flavor, new_connections, flavor, server.url, policy, 1)
         steady = run_scenario(flavor, new_connections, flavor, server.url, policy, 4)
@@ -237,19 +237,19 @@ async def _pause(flavor: str) -> None:
 def test_probe_answered_late_is_counted_and_raises_the_deadline(flavor: str) -> None:
     """A probe given up on a connection that the server then serves: counted in probes_answered_late, and the
     deadline rises above that answer's latency."""
-    policy = GuardPolicy(probe_timeout=1.0)
+    policy = GuardPolicy(probe_timeout=2.0)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         run_scenario(flavor, new_connections, flavor, server.url, policy, LEARN_AFTER)
-        assert probes.deadline(policy) == 0.05
-        server.inject(Fault.READ_LATE, after=0.2, count=1)
+        assert probes.deadline(policy) < 0.3  # 0.05 s unless the machine is very busy
+        server.inject(Fault.READ_LATE, after=0.3, count=1)
         first, second = run_scenario(flavor, given_up_then_answered, flavor, server, policy)
         learnt = probes.deadline(policy)
     assert first.stats.probes_given_up == 1
     assert isinstance(first.outcomes[0].error, httpx.TransportError)  # max_attempts=1: not retried
     assert first.stats.probes_answered_late == 1
     assert second.outcomes[0].ok
-    assert learnt >= 0.8  # 4 x at least 0.2 s
+    assert learnt >= 1.2  # 4 x at least 0.3 s
 
 
 # -- admission --------------------------------------------------------------------------------------------------------

@@ -260,6 +260,10 @@ class RequestState:
         self.stats.record_probe(seconds, answered=False)
         self.origin_probes.probe_failed(self.probe_number)
 
+    def probe_abandoned(self) -> None:
+        """The probe was cancelled with its request: neither answered nor failed."""
+        self.origin_probes.probe_failed(self.probe_number)
+
     def probe_given_up(self, seconds: float, peek: Callable[[], bool | None]) -> GivenUpProbe:
         """The probe's deadline passed; ``peek`` looks at its connection, kept half closed to see whether it is
         answered late (`OriginProbes.probe_given_up`): the adapter closes it once the returned watch is settled."""

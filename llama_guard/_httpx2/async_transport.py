@@ -282,9 +282,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         """Ask a new connection for ``GET /health`` before the real request is written to it.
 
         Runs inside httpcore's connect, from the pool's network backend (``_async_network.py``) or the ``trace``
-        extension, with the new network stream. On failure the
-        stream is closed here (httpcore has not stored it yet) and the error fails the connect, so the connection
-        never enters the pool and the request is retried on a fresh one.
+        extension, with the new network stream. On failure the error fails the connect, so the connection never
+        enters the pool and the request is retried on a fresh one; the stream is closed here (httpcore has not
+        stored it yet), or, when the probe was given up, kept half closed a while to see whether it is answered
+        late (`_AsyncGivenUpProbes`).
         """
         if run.origin in self._unprobeable:
             return
@@ -317,7 +318,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             watch = run.probe_given_up(time.monotonic() - started, functools.partial(answer_waiting, stream))
             self._given_up.keep(watch, stream)
             raise ProbeTimeout(
-                f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
+                f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
                 request=run.request,
             ) from exc
@@ -329,6 +330,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             ) from exc
         except BaseException:
             await stream.aclose()
+            run.probe_abandoned()
             raise
         run.probe_answered(time.monotonic() - started)
         if not answer.keep_alive:
