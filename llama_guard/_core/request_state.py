@@ -23,7 +23,7 @@ from .decisions import (
     verdict_for_status,
 )
 from .log import STALL_LOG, describe_request, logger
-from .origin_probes import GivenUpProbe, OriginProbes, ProbeBook
+from .origin_probes import PROBE_BOOK, GivenUpProbe, OriginProbes, ProbeBook
 from .origins import Origin
 from .policy import GuardPolicy
 from .probe import probe_deadline
@@ -107,15 +107,15 @@ class RequestState:
         body: bytes | None,
         stream: bool,
         started: float,
-        book: ProbeBook,
+        book: ProbeBook | None = None,
     ) -> None:
         """``body``: the request's bytes if held in memory; ``stream``: whether it asks for ``"stream": true``;
         ``started``: when the guard received the request (``time.monotonic()``); ``book``: what the guard knows of
-        probing each origin."""
+        probing each origin (default: the process's, `PROBE_BOOK`)."""
         self.request = request
         self._origin = origin
         self._origin_probes: OriginProbes | None = None
-        self.book = book
+        self.book = book if book is not None else PROBE_BOOK
         self.probe_deadline_used = policy.probe_timeout
         self.probe_number = 0
         self.policy = policy
