@@ -409,6 +409,44 @@ def test_admission_opens_lazy_connections_one_at_a_time_and_prevents_the_stall(f
     assert sum(waits) >= 8  # the cost of a healthy burst is counted
 
 
+async def behind_a_stalled_connection(flavor: str, server: LlamaServerEmulator) -> tuple[Driver, Driver]:
+    """A's new connection is never read (its probe waits 2 s); B asks while A's connection holds the turn."""
+    policy = GuardPolicy(connect_admission="always", probe_timeout=2.0, max_attempts=1)
+    probes = origin_of(server)
+    first = make_driver(flavor, guarded=True, base_url=server.url, policy=policy)
+    second = make_driver(flavor, guarded=True, base_url=server.url, policy=policy, timeout=0.3)
+
+    async def ask_first() -> None:
+        await first.request("POST", CHAT, json=chat(stream=False))
+
+    async def ask_second() -> None:
+        deadline = time.monotonic() + 5.0
+        while probes.opening() == 0 and time.monotonic() < deadline:  # until A holds the turn
+            await _pause(flavor)
+        await second.request("POST", CHAT, json=chat(stream=False))
+
+    try:
+        await gather(flavor, [ask_first, ask_second])
+    finally:
+        await close_driver(first)
+        await close_driver(second)
+    return first, second
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_admission_wait_is_bounded_by_the_connect_timeout(flavor: str) -> None:
+    """A connection waiting for its turn waits no longer than the caller's connect timeout: ConnectTimeout, naming
+    the admission, long before the connection ahead of it is given up."""
+    with LlamaServerEmulator(pool_bug=False) as server:
+        server.inject(Fault.NEVER_ANSWER_ACCEPT, count=1)
+        first, second = run_scenario(flavor, behind_a_stalled_connection, flavor, server)
+    (waited,) = second.outcomes
+    assert isinstance(waited.error, httpx.ConnectTimeout)
+    assert "connect_admission" in str(waited.error)
+    assert waited.elapsed < 1.5  # the connection ahead holds its turn for 2 s
+    assert isinstance(first.outcomes[0].error, llama_guard.ProbeTimeout)
+
+
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_reconnects_after_a_stall_do_not_burst(flavor: str) -> None:
     """A pre-opened burst stalls some connections; their reconnects are opened one at a time (default

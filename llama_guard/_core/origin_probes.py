@@ -232,6 +232,11 @@ class OriginProbes:
                 with contextlib.suppress(ValueError):
                     self._queue.remove(ticket)
 
+    def opening(self) -> int:
+        """Connections admitted and not yet probed (for tests and stats)."""
+        with self._lock:
+            return len(self._in_progress)
+
     def waiting(self) -> int:
         """Connections waiting for their turn (for tests and stats)."""
         with self._lock:

@@ -117,7 +117,7 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         probing = run.probing and host == run.request.url.host and port == run.origin.port
         # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
         # probe comes after httpcore's TLS handshake, outside this call.
-        ticket = await self._admission(run) if probing and run.request.url.scheme == "http" else None
+        ticket = await self._admission(run, timeout) if probing and run.request.url.scheme == "http" else None
         try:
             stream = await self._backend.connect_tcp(
                 host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
@@ -125,16 +125,17 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
             if probing:
                 if run.request.url.scheme == "https":
                     return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
-                await run.probe(stream)  # closes the stream and raises if the probe fails
+                await run.probe(stream)  # raises if the probe fails (the stream is then the probe's to close)
         finally:
             if ticket is not None:
                 run.origin_probes.leave(ticket)
         run.connected()
         return stream
 
-    async def _admission(self, run: GuardedRequest) -> int | None:
+    async def _admission(self, run: GuardedRequest, timeout: float | None) -> int | None:
         """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the ticket to
-        hand back (`OriginProbes.leave`) once it is probed, or None."""
+        hand back (`OriginProbes.leave`) once it is probed, or None. The wait is part of the connect: the caller's
+        connect ``timeout`` bounds it."""
         probes = run.origin_probes
         if not probes.admission_needed(run.policy):
             return None
@@ -144,6 +145,11 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         started = time.monotonic()
         try:
             while not probes.admit(ticket):
+                if timeout is not None and time.monotonic() - started >= timeout:
+                    raise httpcore.ConnectTimeout(
+                        f"waited {timeout:g} s (the connect timeout) for the other new connections to "
+                        f"{probes.origin} to be probed first (connect_admission)"
+                    )
                 await self._backend.sleep(ADMISSION_POLL)
         except BaseException:  # cancelled while waiting: give the place up
             probes.leave(ticket)
