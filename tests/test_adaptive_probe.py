@@ -191,7 +191,7 @@ def test_slow_health_answers_raise_no_false_alarm(flavor: str) -> None:
     assert all(o.ok for d in drivers for o in d.outcomes)
     assert given_up(drivers) == 0
     assert served == 10
-    assert 0.32 <= learnt < 1.0  # 4 x at least 80 ms
+    assert learnt >= 0.32  # 4 x at least 80 ms: learnt from the slow answers
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
