@@ -20,6 +20,11 @@ Two clocks: wall-clock time per request, and the client thread's CPU time per re
 process, so this is the client's own work; less disturbed by other processes than wall-clock time, though not
 immune: stolen and contended CPU inflates it).
 
+Large bodies (also alone, ``--large-bodies-only``): chat requests of 2 MB ASCII, 2 MB with ``\\u`` escapes and 6 MB
+of escapes, ``"stream"`` false and true, sync, the whole stack in memory. The guard's extra CPU time per request
+(guard minus bare, median of interleaved blocks) is printed against ``json.loads`` of the same body, as a ratio;
+the target is at most 1 (stream detection parses the body once, at ``json.loads`` speed).
+
 Repeatable counts (``_counts.py``; ``--instructions`` for them alone; otherwise they end every run when valgrind is
 found, unless ``--no-instructions``): instructions and simulated cache misses per request, sync and asyncio, the
 whole stack in memory under cachegrind. They repeat to about 0.1% whatever the machine is doing.
@@ -42,11 +47,17 @@ When guard/bare is above the target (1.03) the guard's hot path is profiled (or 
   fallback's trace callback alone (`_SyncTracer`, x10 events); and httpcore's own cost of a set ``trace``
   extension (the five `Trace` blocks of a request, no-op callback vs none).
 
+The aiohttp row (``llama_guard.aiohttp``): `guarded_session()` (middleware and `GuardConnector`) against a bare
+``aiohttp.ClientSession`` (with its own ``TCPConnector``), same server, same requests, same blocks; it has no
+httpx-retries column.
+
 Usage::
 
     python benchmarks/overhead.py                       # 1,200 blocks of 20 requests per variant and client kind
+    python benchmarks/overhead.py --only aiohttp        # one client kind alone (sync, asyncio or aiohttp)
     python benchmarks/overhead.py --blocks 3000 --profile
     python benchmarks/overhead.py --instructions        # the repeatable counts alone (about 4 minutes)
+    python benchmarks/overhead.py --large-bodies-only   # the large-body rows alone (about a minute)
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ import cProfile
 import dataclasses
 import gc
 import io
+import json
 import logging
 import pstats
 import shutil
@@ -194,6 +206,43 @@ def run_sync(client: httpx.Client, n: int, *, gc_off: bool = False) -> tuple[flo
         gc.enable()
 
 
+AIOHTTP_VARIANTS = ("bare", "bare, control", "guard")
+
+
+async def run_aiohttp(session: Any, n: int) -> tuple[float, float]:
+    gc.collect()
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        async with session.post(PATH, json=BODY) as response:
+            await response.read()
+            if response.status != 200:
+                raise RuntimeError(f"unexpected status {response.status}")
+    return (time.perf_counter() - started) / n, (time.thread_time() - cpu_started) / n
+
+
+async def measure_aiohttp(url: str, rounds: int, requests: int, warmup: int) -> Measured:
+    """Interleaved rounds (blocks) of a bare `aiohttp.ClientSession` and `llama_guard.aiohttp.guarded_session()`."""
+    import aiohttp
+
+    from llama_guard.aiohttp import guarded_session
+
+    sessions = {
+        v: guarded_session(url) if v == "guard" else aiohttp.ClientSession(url, connector=aiohttp.TCPConnector())
+        for v in AIOHTTP_VARIANTS
+    }
+    try:
+        for session in sessions.values():
+            await run_aiohttp(session, warmup)
+        results = Measured.empty(AIOHTTP_VARIANTS)
+        for r in range(rounds):
+            for variant in rotated(AIOHTTP_VARIANTS, r):
+                results.add(variant, await run_aiohttp(sessions[variant], requests))
+        return results
+    finally:
+        for session in sessions.values():
+            await session.close()
+
+
 async def run_async(client: httpx.AsyncClient, n: int) -> tuple[float, float]:
     gc.collect()
     started, cpu_started = time.perf_counter(), time.thread_time()
@@ -283,15 +332,16 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
     rows = []
     for kind, measured in by_kind.items():
         for metric, results in (("wall", measured.wall), ("client CPU", measured.cpu)):
+            retries = "httpx-retries" in results  # not for aiohttp
             rows.append(
                 [
                     kind,
                     metric,
                     us(median(results["bare"])),
                     us(median(results["guard"])),
-                    us(median(results["httpx-retries"])),
+                    us(median(results["httpx-retries"])) if retries else "-",
                     ratio_cell(ratios(results, "guard", "bare")),
-                    ratio_cell(ratios(results, "guard", "httpx-retries")),
+                    ratio_cell(ratios(results, "guard", "httpx-retries")) if retries else "-",
                     ratio_cell(ratios(results, "bare, control", "bare")),
                 ]
             )
@@ -779,12 +829,92 @@ def count_child(kind: str, variant: str, requests: int) -> None:
     asyncio.run(run())
 
 
+# Large request bodies: the text of one user message, sent pre-encoded (json.dumps writes non-ASCII as \\u escapes).
+LARGE_BODIES = {
+    "2 MB ASCII": "x" * 2_000_000,
+    "2 MB with \\u escapes": "é" * 333_000,
+    "6 MB of \\u escapes": "é" * 1_000_000,
+}
+
+
+LARGE_BLOCK = 3  # requests per variant per block
+LARGE_BODY_CAPTION = (
+    "Large bodies: the guard's extra CPU time per request (guard minus bare, sync, whole stack in memory) against "
+    "json.loads of the same body; medians of interleaved blocks, one run:"
+)
+
+
+def large_body(content: str, *, stream: bool) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}], "stream": stream}).encode()
+
+
+def _time_sends(client: httpx.Client, body: bytes, n: int) -> float:
+    """CPU seconds per request of sending ``body`` (a fresh request each time, as a caller builds one)."""
+    headers = {"Content-Type": "application/json"}
+    started = time.thread_time()
+    for _ in range(n):
+        client.send(client.build_request("POST", PATH, content=body, headers=headers)).read()
+    return (time.thread_time() - started) / n
+
+
+def _time_json_loads(body: bytes, n: int) -> float:
+    started = time.thread_time()
+    for _ in range(n):
+        json.loads(body)
+    return (time.thread_time() - started) / n
+
+
+def large_body_rows(blocks: int, block: int) -> str:
+    """The guard's extra CPU time per request on large bodies (guard minus bare, the whole stack in memory, sync),
+    against ``json.loads`` of the same body: medians of interleaved blocks (bare, guard, json.loads), one run.
+
+    "stream": false is parsed in full and answered "not a stream" (above 64 KiB no byte check skips the parse);
+    "stream": true also runs the checks that only a stream needs, and the guard then sends ``Connection: close``,
+    so each of those requests also opens a new (in-memory) connection and probes it: that is in its figure too."""
+    rows = []
+    with in_memory_client("bare") as bare, in_memory_client("guard") as guard:
+        for name, content in LARGE_BODIES.items():
+            for stream in (False, True):
+                body = large_body(content, stream=stream)
+                for client in (bare, guard):
+                    _time_sends(client, body, 2)  # warm-up: the guard learns the origin, connections open
+                samples: dict[str, list[float]] = {"bare": [], "guard": [], "json.loads": []}
+                for _ in range(blocks):
+                    samples["bare"].append(_time_sends(bare, body, block))
+                    samples["guard"].append(_time_sends(guard, body, block))
+                    samples["json.loads"].append(_time_json_loads(body, block))
+                extra = [g - b for g, b in zip(samples["guard"], samples["bare"], strict=True)]
+                loads = median(samples["json.loads"])
+                rows.append(
+                    [
+                        f"{name}, stream {str(stream).lower()}",
+                        f"{len(body) / 1e6:.1f} MB",
+                        f"{median(samples['bare']) * 1e3:.2f} ms",
+                        f"{median(extra) * 1e3:.2f} ms",
+                        f"{loads * 1e3:.2f} ms",
+                        f"{median(extra) / loads:.2f}",
+                    ]
+                )
+    headers = ["body", "size", "bare", "guard's extra", "json.loads(body)", "extra / json.loads"]
+    return table(headers, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--block", type=int, default=20, help="requests per variant per block (default 20)")
     parser.add_argument("--blocks", type=int, default=1200, help="interleaved blocks (default 1200)")
     parser.add_argument("--warmup", type=int, default=500, help="warm-up requests per variant (default 500)")
     parser.add_argument("--profile", action="store_true", help="profile the guard even when within the target")
+    parser.add_argument(
+        "--large-bodies-only", action="store_true", help="only the large-body rows (2 MB and 6 MB request bodies)"
+    )
+    parser.add_argument("--large-blocks", type=int, default=40, help="blocks for the large-body rows (default 40)")
+    parser.add_argument(
+        "--only",
+        choices=("sync", "asyncio", "aiohttp"),
+        action="append",
+        help="measure only this client kind (repeatable; default: all three)",
+    )
     instructions = parser.add_mutually_exclusive_group()
     instructions.add_argument(
         "--instructions",
@@ -795,18 +925,25 @@ def main(argv: list[str] | None = None) -> int:
     # Internal: one child of the counts (run under cachegrind).
     parser.add_argument("--instructions-child", nargs=3, metavar=("KIND", "VARIANT", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.block < 1 or args.blocks < 3 or args.warmup < 0:
-        parser.error("--block must be >= 1, --blocks >= 3, --warmup >= 0")
+    if args.block < 1 or args.blocks < 3 or args.warmup < 0 or args.large_blocks < 3:
+        parser.error("--block must be >= 1, --blocks >= 3, --warmup >= 0, --large-blocks >= 3")
     if args.instructions_child:
         kind, variant, requests = args.instructions_child
         count_child(kind, variant, int(requests))
         return 0
-    valgrind = None if args.no_instructions else shutil.which("valgrind")
+    # The counts cover the httpx clients: not with --only.
+    valgrind = None if args.no_instructions or args.only else shutil.which("valgrind")
     if args.instructions and valgrind is None:
         parser.error("--instructions needs valgrind (not found on PATH)")
 
     print(f"machine: {machine()}")
     started = time.monotonic()
+    if args.large_bodies_only:
+        print()
+        print(LARGE_BODY_CAPTION)
+        print(large_body_rows(args.large_blocks, LARGE_BLOCK))
+        print(f"\n({time.monotonic() - started:.0f} s)")
+        return 0
     if args.instructions:
         assert valgrind is not None
         print()
@@ -817,11 +954,17 @@ def main(argv: list[str] | None = None) -> int:
         f"httpx {httpx.__version__}, llama_guard {llama_guard.__version__}; {args.blocks} interleaved blocks x "
         f"{args.block} requests per variant, {args.warmup} warm-up; keep-alive server in its own process"
     )
+    only = set(args.only or ("sync", "asyncio", "aiohttp"))
     with keepalive_server() as url:
-        by_kind: dict[str, Measured] = {
-            "sync httpx.Client": measure_sync(url, VARIANTS, args.blocks, args.block, args.warmup),
-            "asyncio httpx.AsyncClient": asyncio.run(measure_async(url, args.blocks, args.block, args.warmup)),
-        }
+        by_kind: dict[str, Measured] = {}
+        if "sync" in only:
+            by_kind["sync httpx.Client"] = measure_sync(url, VARIANTS, args.blocks, args.block, args.warmup)
+        if "asyncio" in only:
+            by_kind["asyncio httpx.AsyncClient"] = asyncio.run(measure_async(url, args.blocks, args.block, args.warmup))
+        if "aiohttp" in only:
+            by_kind["asyncio aiohttp.ClientSession"] = asyncio.run(
+                measure_aiohttp(url, args.blocks, args.block, args.warmup)
+            )
         print()
         print(
             "Per-request cost, median of blocks; ratios are medians of per-block ratios with a 95% confidence "
@@ -839,9 +982,12 @@ def main(argv: list[str] | None = None) -> int:
         worst = max(
             median(ratios(getattr(m, attr), "guard", "bare")) for m in by_kind.values() for attr in ("wall", "cpu")
         )
-        if worst > TARGET or args.profile:
+        if (worst > TARGET or args.profile) and "sync httpx.Client" in by_kind:
             print()
             print(profile(PROFILE_ROUNDS, PROFILE_REQUESTS, median(by_kind["sync httpx.Client"].wall["bare"])))
+    print()
+    print(LARGE_BODY_CAPTION)
+    print(large_body_rows(args.large_blocks, LARGE_BLOCK))
     if valgrind is not None:
         print()
         print(count_table(per_request_counts(valgrind)))

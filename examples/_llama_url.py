@@ -10,10 +10,21 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 from llama_guard.testing import LlamaServerEmulator
 
-__all__ = ["llama_server"]
+__all__ = ["llama_server", "missing_extra"]
+
+
+def missing_extra(error: ModuleNotFoundError, extra: str) -> NoReturn:
+    """One line naming the extra to install, and exit status 2, instead of a traceback."""
+    example = os.path.basename(sys.argv[0]) or "this example"
+    print(
+        f"{example} needs the '{extra}' extra ({error.name} is not installed): pip install -e '.[{extra}]'",
+        file=sys.stderr,
+    )
+    raise SystemExit(2)
 
 
 @contextmanager

@@ -8,6 +8,8 @@ completions, half of them streamed. AsyncGuardTransport works the same under tri
 
 Against a real server the plain client's losses vary with load and timing: llama-server closes the connection at
 once, and httpx sometimes notices before it reuses it.
+
+Needs nothing beyond the package itself (``pip install -e .``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ The same client sends the same requests before and after guard(). guard() wraps 
 place; base URL, headers, timeouts, limits and the connection pool stay as they were. The guarded client's first
 request may take a connection that the plain client left dying in the pool: the guard sends it again on a new
 connection and logs one warning.
+
+Needs nothing beyond the package itself (``pip install -e .``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ Settings (environment, read when the module is imported, so that uvicorn can loa
     LLAMA_GUARD_DISABLE          1: plain httpx upstream, no guard (to see what the guard is for)
 
 Secrets are never logged: the proxy's log lines name the error class and the path, never a header.
+
+Needs the examples extra (FastAPI and uvicorn): ``pip install -e '.[examples]'``.
 """
 
 from __future__ import annotations
@@ -50,12 +52,20 @@ from typing import Any, TypeVar
 
 import anyio
 import httpx
-import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 import llama_guard
+
+try:
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from starlette.types import Receive, Scope, Send
+except ModuleNotFoundError as error:  # not examples/_llama_url.missing_extra: uvicorn imports this as a package module
+    print(
+        f"fastapi_proxy.py needs the 'examples' extra ({error.name} is not installed): pip install -e '.[examples]'",
+        file=sys.stderr,
+    )
+    raise SystemExit(2) from None
 
 __all__ = ["ProxyConfig", "ProxyStats", "app", "config_from_env", "create_app"]
 
@@ -436,12 +446,22 @@ async def demo(config: ProxyConfig, clients: int, requests: int) -> int:
                 else:
                     failed += 1
 
+    async def progress() -> None:
+        # On stderr, like llama-guard's own progress: the demo takes tens of seconds and should not look stuck.
+        print(f"sending {requests} streamed completions from {clients} clients through {proxy} ...", file=sys.stderr)
+        while True:
+            await asyncio.sleep(2.0)
+            elapsed = time.monotonic() - started
+            print(f"  {elapsed:3.0f} s: {complete + failed} of {requests} done, {failed} failed", file=sys.stderr)
+
     started = time.monotonic()
+    reporter = asyncio.create_task(progress())
     try:
         await asyncio.gather(*(one_client() for _ in range(clients)))
         async with httpx.AsyncClient(base_url=proxy) as http:
             counters = (await http.get("/guard/stats")).json()
     finally:
+        reporter.cancel()
         server.should_exit = True
         await serving
     seconds = time.monotonic() - started

@@ -3,7 +3,8 @@
     python examples/httpx2_client.py                         # starts an emulated llama-server in this process
     python examples/httpx2_client.py http://127.0.0.1:8080   # your llama-server (or set LLAMA_URL)
 
-Needs ``pip install 'llama-guard[httpx2]'``. Same behaviour, settings and results as the httpx flavour.
+Needs the httpx2 extra: ``pip install -e '.[httpx2]'`` (or ``'.[examples]'``, which has it). Same behaviour,
+settings and results as the httpx flavour.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from __future__ import annotations
 import asyncio
 import sys
 
-import httpx2
-from _llama_url import llama_server  # examples/_llama_url.py: your server, or an emulated one
+from _llama_url import llama_server, missing_extra  # examples/_llama_url.py: your server, or an emulated one
 
-import llama_guard.httpx2
+try:
+    import httpx2
+
+    import llama_guard.httpx2
+except ModuleNotFoundError as error:
+    missing_extra(error, "httpx2")
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 20

@@ -7,6 +7,8 @@
 2. Or guard every client in the process, the SDK's own included, with ``llama_guard.install()``: for code that
    builds its SDK clients where you cannot reach them (frameworks, libraries).
 
+Needs the examples extra (the openai SDK and httpx2): ``pip install -e '.[examples]'``.
+
 The SDK's retries are turned off (``max_retries=0``) so that what recovers a lost request is the guard; in
 production you may keep both: the guard retries only what is safe, below the SDK.
 """
@@ -15,9 +17,13 @@ from __future__ import annotations
 
 import sys
 
-import httpx2
-import openai
-from _llama_url import llama_server  # examples/_llama_url.py: your server, or an emulated one
+from _llama_url import llama_server, missing_extra  # examples/_llama_url.py: your server, or an emulated one
+
+try:
+    import httpx2
+    import openai
+except ModuleNotFoundError as error:
+    missing_extra(error, "examples")
 
 import llama_guard
 import llama_guard.httpx2

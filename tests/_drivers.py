@@ -14,24 +14,50 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import anyio
 import httpx
+import pytest
 
 import llama_guard
 from llama_guard.testing import async_burst_transport, burst_transport
 
 FLAVORS = ("sync", "asyncio", "trio")
 LIBRARIES = ("httpx", "httpx2")
+#: httpx2 needs Python 3.11 or later: where it is missing its cases skip and say so, and httpx runs them all.
+HAS_HTTPX2 = importlib.util.find_spec("httpx2") is not None
+NO_HTTPX2 = pytest.mark.skip(
+    reason="httpx2 is not installed (it needs Python 3.11+): pip install 'llama-guard[httpx2]'"
+)
+
+
+def on_every_client(cases: Sequence[tuple[str, Any]], flavors: tuple[str, ...] = FLAVORS) -> list[Any]:
+    """``(case, flavor, library)`` parameters: every ``(id, case)`` on every client (flavour and library), ids
+    ``"<id>-sync-httpx"``. All but one client per case are marked ``slow``: the fast core (``-m "not slow"``) runs
+    each case once, on the clients in turn, so it still has every case and every client."""
+    clients = [(flavor, name) for flavor in flavors for name in LIBRARIES]
+    installed = [client for client in clients if client[1] != "httpx2" or HAS_HTTPX2]
+
+    def marks(turn: int, client: tuple[str, str]) -> Any:
+        if client not in installed:
+            return NO_HTTPX2
+        return () if client == installed[turn % len(installed)] else pytest.mark.slow
+
+    return [
+        pytest.param(case, flavor, name, id=f"{case_id}-{flavor}-{name}", marks=marks(turn, (flavor, name)))
+        for turn, (case_id, case) in enumerate(cases)
+        for flavor, name in clients
+    ]
 
 
 def library(name: str) -> ModuleType:
@@ -42,6 +68,10 @@ def library(name: str) -> ModuleType:
         import httpx2
 
         return httpx2
+    if name == "aiohttp":
+        from ._aiohttp_driver import AIOHTTP_ERRORS
+
+        return AIOHTTP_ERRORS  # type: ignore[return-value]
     raise ValueError(f"unknown library {name!r}")
 
 
@@ -49,8 +79,8 @@ def guard_module(name: str) -> ModuleType:
     """The guard's flavour for a client library: ``llama_guard`` or ``llama_guard.httpx2``."""
     if name == "httpx":
         return llama_guard
-    if name == "httpx2":
-        return importlib.import_module("llama_guard.httpx2")
+    if name in ("httpx2", "aiohttp"):
+        return importlib.import_module(f"llama_guard.{name}")
     raise ValueError(f"unknown library {name!r}")
 
 
@@ -155,6 +185,14 @@ def make_driver(
     ``library="httpx2"`` builds an httpx2 client (guarded by `llama_guard.httpx2`); ``limits`` are then httpx2's
     (an `httpx.Limits` is converted) and ``preopened`` is not supported.
     """
+    if library == "aiohttp":
+        from ._aiohttp_driver import make_aiohttp_driver
+
+        assert flavor == "asyncio", "the aiohttp flavour is asyncio only"
+        limit = limits.max_connections if limits is not None and limits.max_connections else 4
+        return make_aiohttp_driver(
+            guarded=guarded, base_url=base_url, policy=policy, limit=limit, timeout=timeout, preopened=preopened
+        )
     if library != "httpx":
         return _make_other_driver(
             flavor, guarded=guarded, base_url=base_url, policy=policy, limits=limits, timeout=timeout, name=library
@@ -219,7 +257,12 @@ async def close_driver(driver: Driver) -> None:
 
 
 def pool_of(driver: Driver) -> Any:
-    """The httpcore (or httpcore2) connection pool under a driver's client, guarded or plain."""
+    """The httpcore (or httpcore2) connection pool under a driver's client, guarded or plain (for aiohttp: the
+    session's connector)."""
+    if driver.library == "aiohttp":
+        from ._aiohttp_driver import aiohttp_connector
+
+        return aiohttp_connector(driver)
     transport = driver.client._transport
     if driver.guarded:
         transport = transport.transport
@@ -230,6 +273,10 @@ def pool_problems(driver: Driver) -> list[str]:
     """What the pool keeps in a state other than "closed" or "idle and healthy": connections still active (a
     response nobody will finish), idle ones that are readable (a stray byte or an end of file waiting), and
     requests still registered. Empty when the pool is sound."""
+    if driver.library == "aiohttp":
+        from ._aiohttp_driver import aiohttp_pool_problems
+
+        return aiohttp_pool_problems(driver)
     pool = pool_of(driver)
     problems = [f"request still in the pool: {request!r}" for request in list(pool._requests)]
     for connection in list(pool.connections):
@@ -240,6 +287,24 @@ def pool_problems(driver: Driver) -> list[str]:
         elif connection.has_expired():
             problems.append(f"idle, but expired or readable: {connection!r}")
     return problems
+
+
+def pool_requests(driver: Driver) -> int:
+    """Requests the pool holds: those on a connection and those queued for one."""
+    if driver.library == "aiohttp":
+        from ._aiohttp_driver import aiohttp_pool_requests
+
+        return aiohttp_pool_requests(driver)
+    return len(pool_of(driver)._requests)
+
+
+def open_connections(driver: Driver) -> list[Any]:
+    """The pool's connections that are not closed."""
+    if driver.library == "aiohttp":
+        from ._aiohttp_driver import aiohttp_open_connections
+
+        return aiohttp_open_connections(driver)
+    return [c for c in pool_of(driver).connections if not c.is_closed()]
 
 
 def _tcp_table() -> dict[str, tuple[int, int]]:

@@ -3,6 +3,7 @@ stall episode. The core as tables of cases; the whole on the emulator, over real
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -452,7 +453,9 @@ def test_reconnects_after_a_stall_do_not_burst(flavor: str) -> None:
     """A pre-opened burst stalls some connections; their reconnects are opened one at a time (default
     connect_admission="after_stall") and rescue them."""
     with LlamaServerEmulator(http_threads=4) as server:
-        drivers = run_scenario(flavor, burst, flavor, server.url, server.port, True, 16)
+        drivers = run_scenario(
+            flavor, functools.partial(burst, timeout=30.0), flavor, server.url, server.port, True, 16
+        )
         ran = server.stats().completions_started
     outcomes = [o for d in drivers for o in d.outcomes]
     assert all(o.ok for o in outcomes), [o.error for o in outcomes if o.error]
@@ -480,7 +483,9 @@ def test_one_warning_per_stall_episode(flavor: str, caplog: pytest.LogCaptureFix
     caplog.set_level(logging.DEBUG, logger="llama_guard")
     STALL_LOG.flush()
     with LlamaServerEmulator(http_threads=4) as server:
-        drivers = run_scenario(flavor, burst, flavor, server.url, server.port, True, 16)
+        drivers = run_scenario(
+            flavor, functools.partial(burst, timeout=30.0), flavor, server.url, server.port, True, 16
+        )
     reconnects = sum(d.stats.stall_reconnects for d in drivers)
     origin = f"http://127.0.0.1:{server.port}"
     ours = [r for r in caplog.records if r.name == "llama_guard" and origin in r.getMessage()]

@@ -37,24 +37,32 @@ from llama_guard import GuardPolicy
 from llama_guard.testing import Fault, LlamaServerEmulator, generated_text
 
 from ._drivers import (
-    LIBRARIES,
     Driver,
     client_sockets,
     close_driver,
     make_driver,
+    on_every_client,
+    open_connections,
     open_fds,
-    pool_of,
     pool_problems,
+    pool_requests,
     run_bounded,
     wait_until,
 )
 
-pytest.importorskip("httpx2")
-
 CHAT = "/v1/chat/completions"
-HARD_DEADLINE = 30.0
-#: How long a cancelled task may take to end.
-CANCEL_LATENCY = 1.0
+#: The least time the request would still take at every point if the cancellation waited for it instead of cutting
+#: it short: the client's read and pool timeouts (headers that never come), the probe deadline, Retry-After, and
+#: the stream's STREAM_TOKENS.
+UNCANCELLED = 30.0
+#: How long a cancelled task may take to end: a third of UNCANCELLED, so a task that ends in time was really cut
+#: short (not served or timed out), with room for a loaded machine.
+CANCEL_LATENCY = UNCANCELLED / 3
+#: A scenario still running after this long is a hang.
+HARD_DEADLINE = 2 * UNCANCELLED
+#: How long to wait for an event that normally takes milliseconds (the server reading a request, a socket
+#: closing): costs nothing when the event comes, and leaves room for a loaded machine.
+EVENT_WAIT = 20.0
 #: Where the request is when it is cancelled. The "retry-" points are in a later attempt, under the guard's retry
 #: loop (tenacity), which catches every exception of an attempt to decide on it.
 POINTS = (
@@ -67,6 +75,9 @@ POINTS = (
     "mid-stream-drop",
     "waiting-for-pool",
 )
+#: The mid-stream points' stream: STREAM_TOKENS at TOKEN_INTERVAL s each would take UNCANCELLED to end.
+TOKEN_INTERVAL = 0.05
+STREAM_TOKENS = round(UNCANCELLED / TOKEN_INTERVAL)
 
 
 def chat(stream: bool, tokens: int = 4) -> dict[str, object]:
@@ -75,8 +86,8 @@ def chat(stream: bool, tokens: int = 4) -> dict[str, object]:
 
 def policy_for(point: str) -> GuardPolicy:
     if point.endswith("probing"):
-        # A probe that would wait 1 s (more than the test waits to cancel it): the cancellation cuts it short.
-        return GuardPolicy(probe_timeout=1.0, backoff=0.02)
+        # A probe that would wait UNCANCELLED: the cancellation cuts it short.
+        return GuardPolicy(probe_timeout=UNCANCELLED, probe_timeout_max=UNCANCELLED, backoff=0.02)
     if point == "mid-stream-drop":
         return GuardPolicy(probe_timeout=0.5, stream_mode="drop")
     return GuardPolicy(probe_timeout=0.5, backoff=0.02)
@@ -119,7 +130,7 @@ class Victim:
             with self.scope:
                 client = driver.client
                 if point.startswith("mid-stream"):
-                    async with client.stream("POST", CHAT, json=chat(True, tokens=200)) as response:
+                    async with client.stream("POST", CHAT, json=chat(True, tokens=STREAM_TOKENS)) as response:
                         assert response.status_code == 200
                         async for _chunk in response.aiter_bytes():
                             self.first_chunk.set()
@@ -136,21 +147,21 @@ async def reached(point: str, server: LlamaServerEmulator, driver: Driver, victi
         # The server has read the whole request and will never answer: the client waits for the headers.
         times = 2 if point.startswith("retry-") else 1
         await wait_until(
-            lambda: server.stats().faults_triggered.get(Fault.HEADERS_NEVER) == times, timeout=5, what=point
+            lambda: server.stats().faults_triggered.get(Fault.HEADERS_NEVER) == times, timeout=EVENT_WAIT, what=point
         )
     elif point.endswith("probing"):
         # The probe (GET /health) sits unread on the new connection: the guard waits for its answer.
         await wait_until(
-            lambda: any(held.unread_bytes > 0 for held in server.held_connections()), timeout=5, what=point
+            lambda: any(held.unread_bytes > 0 for held in server.held_connections()), timeout=EVENT_WAIT, what=point
         )
     elif point == "backoff":
-        # The 503 was answered and the guard decided to retry: it waits out Retry-After (30 s) now.
-        await wait_until(lambda: driver.stats.retries == 1, timeout=5, what=point)
+        # The 503 was answered and the guard decided to retry: it waits out Retry-After (UNCANCELLED) now.
+        await wait_until(lambda: driver.stats.retries == 1, timeout=EVENT_WAIT, what=point)
     elif point == "waiting-for-pool":
         # The pool's only connection serves another request (waiting for headers): this one is queued for it.
-        await wait_until(lambda: len(pool_of(driver)._requests) == 2, timeout=5, what=point)
+        await wait_until(lambda: pool_requests(driver) == 2, timeout=EVENT_WAIT, what=point)
     else:
-        with anyio.fail_after(5):
+        with anyio.fail_after(EVENT_WAIT):
             await victim.first_chunk.wait()
 
 
@@ -164,7 +175,7 @@ def arm(point: str, server: LlamaServerEmulator) -> None:
     elif point.endswith("probing"):
         server.inject(Fault.NEVER_ANSWER_ACCEPT)
     elif point == "backoff":
-        server.inject(Fault.STATUS_503, path=CHAT, retry_after=30)
+        server.inject(Fault.STATUS_503, path=CHAT, retry_after=round(UNCANCELLED))
 
 
 async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmulator) -> float:
@@ -175,7 +186,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
         guarded=True,
         base_url=server.url,
         policy=policy_for(point),
-        timeout=10.0,
+        timeout=UNCANCELLED,
         limits=limits,
         library=library_name,
     )
@@ -186,7 +197,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
         async with anyio.create_task_group() as group:
             if point == "waiting-for-pool":
                 group.start_soon(holder.run, point, driver)  # holds the pool's only connection
-                await wait_until(holder_waits(server), timeout=5, what="the holder waits for its headers")
+                await wait_until(holder_waits(server), timeout=EVENT_WAIT, what="the holder waits for its headers")
             group.start_soon(victim.run, point, driver)
             await reached(point, server, driver, victim)
             cancelled = time.monotonic()
@@ -195,7 +206,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
             if point == "waiting-for-pool":
                 # The other request is untouched: still in flight on its connection.
                 assert holder.ended is None
-                assert len(pool_of(driver)._requests) == 1
+                assert pool_requests(driver) == 1
                 holder.scope.cancel()
         assert victim.ended is not None
         latency = victim.ended - cancelled
@@ -205,8 +216,10 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
 
         assert task_count() == tasks_before, "a task was left behind"
         assert pool_problems(driver) == []
-        assert [c for c in pool_of(driver).connections if not c.is_closed()] == [], "the pool kept a connection"
-        await wait_until(lambda: client_sockets(server.port) == 0, timeout=5, what="the cancelled request's socket")
+        assert open_connections(driver) == [], "the pool kept a connection"
+        await wait_until(
+            lambda: client_sockets(server.port) == 0, timeout=EVENT_WAIT, what="the cancelled request's socket"
+        )
 
         await check_server(point, server)
         server.clear_faults()
@@ -216,7 +229,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
         assert pool_problems(driver) == []
     finally:
         await close_driver(driver)
-    await wait_until(lambda: client_sockets(server.port) == 0, timeout=5, what="every client socket closed")
+    await wait_until(lambda: client_sockets(server.port) == 0, timeout=EVENT_WAIT, what="every client socket closed")
     return latency
 
 
@@ -235,7 +248,9 @@ async def check_server(point: str, server: LlamaServerEmulator) -> None:
         assert stats.requests_to(CHAT) == 1  # sent once, never again (the queued request: never)
     else:
         # The stream was cut on the client's side: the server notices at its next write and stops generating.
-        await wait_until(lambda: server.stats().completions_cancelled == 1, timeout=5, what="the generation stopped")
+        await wait_until(
+            lambda: server.stats().completions_cancelled == 1, timeout=EVENT_WAIT, what="the generation stopped"
+        )
         assert server.stats().completions_started == 1
 
 
@@ -256,7 +271,7 @@ def no_unclosed_resources() -> Iterator[None]:
     assert not caught, [f"{u.exc_value!r} ({u.err_msg}: {u.object!r})" for u in caught]
 
 
-def wait_for_fds(limit: int, timeout: float = 5.0) -> None:
+def wait_for_fds(limit: int, timeout: float = EVENT_WAIT) -> None:
     """Poll (outside any event loop, which has descriptors of its own) until at most ``limit`` are open."""
     deadline = time.monotonic() + timeout
     while True:
@@ -277,13 +292,26 @@ def fd_targets() -> list[str]:
     return targets
 
 
-@pytest.mark.parametrize("library_name", LIBRARIES)
-@pytest.mark.parametrize("backend", ["asyncio", "trio"])
-@pytest.mark.parametrize("point", POINTS)
+@pytest.mark.parametrize(
+    ("point", "backend", "library_name"), on_every_client([(point, point) for point in POINTS], ("asyncio", "trio"))
+)
 def test_cancelled_request_leaves_nothing_behind(point: str, backend: str, library_name: str) -> None:
+    run_point(point, backend, library_name)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_cancelled_aiohttp_request_leaves_nothing_behind(point: str) -> None:
+    """The same points on an aiohttp session guarded by `llama_guard.aiohttp` (asyncio only)."""
+    pytest.importorskip("aiohttp")
+    run_point(point, "asyncio", "aiohttp")
+
+
+def run_point(point: str, backend: str, library_name: str) -> None:
     gc.collect()
     baseline = open_fds()
-    server = LlamaServerEmulator(pool_bug=False, token_interval=0.05 if point.startswith("mid-stream") else 0.0)
+    server = LlamaServerEmulator(
+        pool_bug=False, token_interval=TOKEN_INTERVAL if point.startswith("mid-stream") else 0.0
+    )
     with no_unclosed_resources():
         server.start()
         try:

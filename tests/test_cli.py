@@ -4,20 +4,29 @@ doctor and watch are driven end to end in tests/test_doctor.py and tests/test_wa
 
 from __future__ import annotations
 
+import io
+import itertools
+import re
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import pytest
 
 from llama_guard._cli.demo import demo_rows, format_table
+from llama_guard._cli.load import LoadRow, proxy_load, run_threads
 from llama_guard._cli.main import COMMANDS, main
+from llama_guard.testing import LlamaServerEmulator
 
 
+@pytest.mark.slow  # the whole demo, 15 s or more
 def test_demo_shows_the_defects_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     """Plain httpx loses requests and leaves burst connections stuck; the guard does neither."""
     rows = {(row.scenario, row.client): row for row in demo_rows(requests=200, clients=16, seconds=2.0)}
     assert rows[("proxy-like load", "plain httpx")].errors > 0
-    assert rows[("burst", "plain httpx")].stuck > 0
+    assert rows[("burst", "plain httpx")].stuck == 16 - 4  # the connections after the emulator's 4 pool threads
     for scenario in ("proxy-like load", "burst"):
         guard = rows[(scenario, "guard")]
         assert (guard.errors, guard.stuck) == (0, 0), scenario
@@ -50,7 +59,10 @@ def test_help_lists_every_command() -> None:
 @pytest.mark.parametrize(
     ("command", "phrases"),
     [
-        ("doctor", ["exit status: 0 no defect found, 1 affected by a defect, 2 could not run", "--burst N"]),
+        (
+            "doctor",
+            ["exit status: 0 every defect examined and found absent, 1 affected by a defect, 2 could not", "--burst N"],
+        ),
         ("watch", ["exit status: 0 nothing found, 1 a stall or a risk, 2 could not run", "--stall-seconds"]),
     ],
 )
@@ -66,16 +78,28 @@ def test_command_help_documents_exit_status(command: str, phrases: list[str], ca
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["demo", "--requests", "0"], "must be a whole number >= 1"),
-        (["demo", "--seconds", "-1"], "must be a number of seconds > 0"),
+        (["demo", "--requests", "0"], "argument --requests: expected a whole number of at least 1, got '0'"),
+        (["demo", "--seconds", "-1"], "argument --seconds: expected a number of seconds above 0 (e.g. 2.5), got '-1'"),
         (["nonsense"], "invalid choice"),
         (["doctor"], "the following arguments are required: URL"),
-        (["doctor", "http://127.0.0.1:8080", "--requests", "-1"], "must be a whole number >= 0"),
-        (["doctor", "http://127.0.0.1:8080", "--timeout", "0"], "must be a number of seconds > 0"),
-        (["doctor", "http://127.0.0.1:8080", "--burst", "many"], "invalid"),
-        (["watch", "--watch", "0"], "must be a number of seconds > 0"),
-        (["watch", "--pid", "0"], "must be a whole number >= 1"),
-        (["watch", "--port", "65536"], "must be a TCP port from 1 to 65535"),
+        (
+            ["doctor", "http://127.0.0.1:8080", "--requests", "-1"],
+            "argument --requests: expected a whole number of at least 0",
+        ),
+        (
+            ["doctor", "http://127.0.0.1:8080", "--timeout", "0"],
+            "argument --timeout: expected a number of seconds above 0",
+        ),
+        (
+            ["doctor", "http://127.0.0.1:8080", "--burst", "many"],
+            "argument --burst: expected a whole number of at least 0 (0 turns it off), got 'many'",
+        ),
+        (["watch", "--watch", "0"], "argument --watch: expected a number of seconds above 0"),
+        (["watch", "--pid", "0"], "argument --pid: expected a whole number of at least 1"),
+        (["watch", "--port", "65536"], "argument --port: expected a TCP port, a whole number from 1 to 65535"),
+        (["demo", "--requests", "abc"], "argument --requests: expected a whole number of at least 1, got 'abc'"),
+        (["watch", "--port", "x"], "argument --port: expected a TCP port, a whole number from 1 to 65535, got 'x'"),
+        (["watch", "--stall-seconds", "soon"], "argument --stall-seconds: expected a number of seconds above 0"),
     ],
 )
 def test_bad_arguments_are_clear_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,3 +109,36 @@ def test_bad_arguments_are_clear_errors(argv: list[str], message: str, capsys: p
     err = capsys.readouterr().err
     assert "error:" in err
     assert message in err
+    assert "invalid _" not in err  # never the name of our own parsing function
+
+
+def test_long_waits_show_progress_every_few_seconds() -> None:
+    """run_threads calls its tick while the jobs run (here every 50 ms, until the third tick lets them end)."""
+    release = threading.Event()
+    ticks: list[float] = []
+
+    def tick() -> None:
+        ticks.append(time.monotonic())
+        if len(ticks) == 3:
+            release.set()
+
+    run_threads([lambda: release.wait(10)] * 4, tick=tick, every=0.05)
+    assert len(ticks) == 3
+    assert all(later - earlier >= 0.04 for earlier, later in itertools.pairwise(ticks))
+
+
+def test_the_load_reports_its_progress_on_the_given_stream() -> None:
+    """A load that lasts over 2 s (a slow emulator) prints "N s: K of M requests, L lost" lines."""
+    progress = io.StringIO()
+    row = LoadRow("pooled load", "plain httpx")
+    with (
+        LlamaServerEmulator(token_interval=0.05, n_tokens=20, parallel=4) as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        body = {"messages": [], "max_tokens": 20, "stream": False}
+        proxy_load(
+            client, row, requests=12, workers=4, path="/v1/chat/completions", body_for=lambda _: body, progress=progress
+        )
+    lines = progress.getvalue().splitlines()
+    assert lines, "no progress during a load of about 3 s"
+    assert all(re.fullmatch(r" +\d+ s: \d+ of 12 requests, \d+ lost", line) for line in lines), lines

@@ -39,6 +39,9 @@ from llama_guard._core.decisions import (
         (b'{"stream": true', False),  # truncated JSON: llama-server rejects it, nothing to stream
         (b"[" * 100_000 + b'"stream"' + b"]" * 100_000, False),  # deep nesting must not crash
         (b'{"stream": false, "stream": true}', True),  # duplicate keys: the last wins, as in nlohmann::json
+        (b'{"stream": true, "prompt": "\\\\ud800"}', True),  # a backslash, then the letters ud800
+        (b'{"stream": true, "prompt": "\\ud800"}', False),  # a lone surrogate: llama-server refuses the body
+        (b'{"stream": true, "prompt": "\\ud83d\\ude00"}', True),  # a surrogate pair
     ],
 )
 def test_wants_stream(body: bytes, expected: bool) -> None:

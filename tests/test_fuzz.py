@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 
 import llama_guard
 from llama_guard import GuardPolicy, Origin
+from llama_guard._core import stream_detection as wants_stream_module
 from llama_guard._core.decisions import parse_retry_after, wants_stream
 from llama_guard._core.origins import parse_origin
 from llama_guard._core.policy import per_request_fields
@@ -269,6 +270,7 @@ def one_invalid_field(draw: st.DrawFn) -> tuple[str, Any, dict[str, Any]]:
     return field, draw(INVALID[field]), kwargs
 
 
+@pytest.mark.slow  # 400 examples
 @fuzz(400)
 @given(one_invalid_field())
 @example(("probe_timeout_max", 0.1, {}))  # valid alone, below probe_timeout's default of 0.5
@@ -372,6 +374,7 @@ def _serve(url: str, policy: GuardPolicy, stream: bool, flavor: str) -> tuple[in
     return anyio.run(main, backend=flavor)
 
 
+@pytest.mark.slow  # 60 requests on sockets
 @fuzz(60)
 @given(serving_policies(), st.booleans(), st.sampled_from(["sync", "asyncio", "trio"]))
 def test_a_valid_policy_serves_a_request_and_does_what_it_says(
@@ -465,8 +468,9 @@ def _has_lone_surrogate(document: Any) -> bool:
 
 def llama_server_streams(body: bytes) -> bool:
     """llama-server's reading, for documents shallow enough for Python's parser: ``json::parse(req.body)`` (strict
-    UTF-8, a leading UTF-8 BOM skipped, no NaN/Infinity, no number beyond a double, surrogate escapes in pairs,
-    the last of duplicate keys wins), then ``json_value(body, "stream", false)``: true only for a JSON boolean."""
+    UTF-8, a leading UTF-8 BOM skipped, no NaN/Infinity, no number beyond a double, surrogate escapes in pairs
+    in every string, the last of duplicate keys wins), then ``json_value(body, "stream", false)``: true only for a
+    JSON boolean."""
     if body.startswith(codecs.BOM_UTF8):
         body = body[len(codecs.BOM_UTF8) :]
     try:
@@ -474,7 +478,8 @@ def llama_server_streams(body: bytes) -> bool:
         document = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_nlohmann_int)
     except (ValueError, RecursionError):
         return False
-    if _has_lone_surrogate(document):
+    # Every string, including a value a repeated key overwrites: objects read as flat lists of keys and values.
+    if _has_lone_surrogate(json.loads(text, object_pairs_hook=lambda pairs: [part for pair in pairs for part in pair])):
         return False
     return isinstance(document, dict) and document.get("stream") is True
 
@@ -538,6 +543,7 @@ def serialised(draw: st.DrawFn, document: Any) -> bytes:
     return codecs.BOM_UTF8 + body if draw(st.integers(0, 9)) == 0 else body
 
 
+@pytest.mark.slow  # 500 generated documents
 @fuzz(500)
 @given(st.data())
 def test_stream_detection_reads_json_documents_as_llama_server_does(data: st.DataObject) -> None:
@@ -588,6 +594,7 @@ ANY_BYTES = st.one_of(
 )
 
 
+@pytest.mark.slow  # 1000 examples
 @fuzz(1000)
 @given(ANY_BYTES)
 @example(b'{"str\\u0065am": true}')
@@ -597,6 +604,7 @@ def test_stream_detection_never_raises_and_its_byte_check_never_changes_the_answ
     assert wants_stream(body) is python_json_reading(body)
 
 
+@pytest.mark.slow  # bodies of 1 to 8 MB
 @fuzz(15)
 @given(
     size=st.integers(min_value=1_000_000, max_value=8_000_000),
@@ -611,9 +619,99 @@ def test_stream_detection_of_huge_bodies(size: int, stream: Any, position: str, 
     body = json.dumps(document, ensure_ascii=False).encode()
     expected = llama_server_streams(body)
     assert expected is (stream is True)
-    started = time.perf_counter()
+    # Linear, not quadratic: a few parses of 8 MB take well under a second of CPU, a quadratic scan hours. CPU time
+    # of this thread, which other processes on a loaded machine do not add to (wall-clock time they would).
+    started = time.thread_time()
     assert wants_stream(body) is expected
-    assert time.perf_counter() - started < 5.0
+    assert time.thread_time() - started < 5.0
+
+
+# Raw JSON text for the inside of a string: escaped backslashes beside \u escapes, surrogate pairs in both cases,
+# lone high and low surrogates, and the letters of an escape without its backslash.
+_STRING_PIECES = st.sampled_from(
+    [
+        "\\\\",
+        "\\ud800",
+        "\\uDBFF",
+        "\\udc00",
+        "\\uDFFF",
+        "\\ud83d\\ude00",
+        "\\uD83D\\uDE00",
+        "\\ud83d\\uDE00",
+        "\\u00e9",
+        "\\u005c",
+        "\\u0075",
+        "ud800",
+        "udc00",
+        "\\n",
+        '\\"',
+        "\\/",
+        "x",
+        "é",
+        "😀",
+    ]
+)
+_ESCAPED_STRINGS = st.lists(_STRING_PIECES, max_size=12).map("".join)
+
+
+@st.composite
+def bodies_with_escapes(draw: st.DrawFn) -> bytes:
+    """``"stream": true`` beside strings (values, keys, list items) written with escapes, escaped backslashes,
+    surrogate pairs and lone surrogates: llama-server streams only if no escape is a lone surrogate."""
+    members = [f'"{draw(_ESCAPED_STRINGS)}": "{draw(_ESCAPED_STRINGS)}"' for _ in range(draw(st.integers(0, 2)))]
+    members.append(f'"list": ["{draw(_ESCAPED_STRINGS)}", 1, true]')
+    key = draw(st.sampled_from(['"stream"', '"str\\u0065am"']))
+    members.insert(draw(st.integers(0, len(members))), f"{key}: true")
+    return ("{" + ", ".join(members) + "}").encode()
+
+
+@fuzz(500)
+@given(bodies_with_escapes())
+@example(b'{"stream": true, "prompt": "\\\\ud800"}')  # a backslash, then the letters ud800: no surrogate at all
+@example(b'{"stream": true, "prompt": "\\\\\\ud800"}')  # a backslash, then a lone surrogate
+@example(b'{"stream": true, "prompt": "\\ud83d\\\\\\ude00"}')  # a backslash between the halves: two lone ones
+@example(b'{"stream": true, "prompt": "\\u005cud800"}')  # an escaped backslash spelt \u005c: no surrogate
+@example(b'{"stream": true, "p": "\\ud800", "p": "x"}')  # the overwritten value must be valid too
+@example(b'{"stream": true, "p": "\\ud83d\\ude00", "p": "x"}')
+def test_stream_detection_of_escaped_backslashes_and_surrogates(body: bytes) -> None:
+    expected = llama_server_streams(body)
+    event(f"streams: {expected}")
+    assert wants_stream(body) is expected  # a small body: its text is searched
+    # Each way of finding lone surrogates gives the same answer: in a large body the parsed strings are walked ...
+    large = body[:-1] + b', "padding": "' + b"x" * wants_stream_module.BYTE_CHECK_LIMIT + b'"}'
+    assert wants_stream(large) is expected
+    # ... unless there are too many small objects to walk: then its text is searched ...
+    message = b'{"role": "user", "content": "hi"}'
+    many = body[:-1] + b', "messages": [' + b", ".join([message] * 3_000) + b"]}"
+    assert len(many) > wants_stream_module.BYTE_CHECK_LIMIT
+    assert wants_stream(many) is expected
+    # ... and a document too deep for Python's parser takes the iterative scan, and its text is searched.
+    deep = body[:-1] + b', "deep": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
+    assert wants_stream(deep) is expected
+
+
+@pytest.mark.parametrize(
+    ("number", "expected"),
+    [
+        ("1" + "0" * 308, True),  # 1e308: beyond 64 bits, a finite double
+        ("-1" + "0" * 308, True),
+        ("2" + "0" * 308, False),  # 2e308: beyond a double
+        ("1" + "0" * 5_000, False),  # beyond Python's own limit for int() too
+        ("1.7e308", True),
+        ("1.8e308", False),
+        ("1e-400", True),  # underflows to zero: finite
+        ("18446744073709551616", True),  # 2**64
+        ('"' + "9" * 400 + '"', True),  # a long run of digits in a string is no number
+        # 400 digits around a point, at every offset: they pass a sample of every tenth byte, and are finite
+        (", ".join("7" * (200 + offset) + "." + "7" * 200 for offset in range(10)), True),
+        (", ".join("7" * (200 + offset) + "7" * 200 for offset in range(10)), False),
+    ],
+)
+def test_stream_detection_of_numbers_at_a_doubles_range(number: str, expected: bool) -> None:
+    """nlohmann reads an integer beyond 64 bits as a double, and refuses a number beyond a double's range."""
+    body = f'{{"stream": true, "n": [1, {number}]}}'.encode()
+    assert llama_server_streams(body) is expected
+    assert wants_stream(body) is expected
 
 
 @pytest.mark.parametrize("depth", [1, 50, 400])
@@ -629,6 +727,19 @@ def test_stream_detection_with_nesting_python_can_parse(depth: int) -> None:
 def test_stream_detection_with_nesting_llama_server_accepts(depth: int) -> None:
     nested = "[" * depth + "]" * depth
     assert wants_stream(f'{{"stream": true, "x": {nested}}}'.encode()) is True
+
+
+@pytest.mark.parametrize(
+    "tail",
+    ["]}", "}}", "} ,", "", "]"],
+    ids=["a-closer-too-many", "two-top-level-closers", "trailing-comma", "unclosed", "unclosed-object"],
+)
+def test_stream_detection_of_deep_bodies_llama_server_rejects(tail: str) -> None:
+    """Too deep for Python's parser, so read by the iterative scan, which counts runs of brackets at once."""
+    depth = 5_000
+    body = '{"stream": true, "x": ' + "[" * depth + "]" * depth + tail
+    assert wants_stream(body.encode()) is False
+    assert wants_stream((body[: -len(tail)] if tail else body).encode() + b"}") is True
 
 
 @pytest.mark.parametrize(
@@ -909,6 +1020,7 @@ def _exchange(
 # reading a body on an error that arises outside them (a DecodingError for a bad gzip body), and trio's finalizer
 # warns when they are collected. Plain httpx does the same (measured with the same responses); the guard's own
 # stream wrapper is not in this list, so a warning about it would still fail the test.
+@pytest.mark.slow  # 150 exchanges on real sockets, about a minute
 @pytest.mark.filterwarnings(
     r"ignore:Exception ignored in. <async_generator object "
     r"(Response\.aiter_raw|BoundAsyncStream\.__aiter__|AsyncResponseStream\.__aiter__) "
@@ -963,6 +1075,7 @@ def test_parse_retry_after_of_ascii_values_never_raises(value: str) -> None:
         assert seconds == float(value)
 
 
+@pytest.mark.slow  # 20 exchanges under trio, several seconds
 def test_the_guards_stream_wrapper_leaves_no_unfinished_async_generator_under_trio(
     server: LlamaServerEmulator,
 ) -> None:

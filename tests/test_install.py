@@ -45,13 +45,6 @@ def uninstalled_afterwards() -> Iterator[None]:
         assert cls.__dict__[name] is original, f"{cls.__module__}.{cls.__name__}.{name} was left patched"
 
 
-@pytest.fixture
-def racy_server() -> Iterator[LlamaServerEmulator]:
-    """Streams close 60 ms after their final chunk: a pooled client reuses the dying connection in between."""
-    with LlamaServerEmulator(stream_close_delay=0.06, http_threads=16, pool_bug=False) as server:
-        yield server
-
-
 def alternate_streams(library: str, flavor: str, url: str, n: int, client: Any = None) -> list[Any]:
     """``n`` chat completions, every other one streamed, over one pooled client; what each returned or raised."""
     lib = LIBRARIES[library]
@@ -88,7 +81,10 @@ def test_install_guards_plain_clients(library: str, flavor: str, racy_server: Ll
     lib = LIBRARIES[library]
     before = lib.Client(base_url=racy_server.url) if flavor == "sync" else lib.AsyncClient(base_url=racy_server.url)
     plain = alternate_streams(library, flavor, racy_server.url, 30)
-    assert sum(isinstance(o, Exception) for o in plain) >= 3, "the emulator should make plain clients lose requests"
+    # Every non-streamed request after the first went to the connection a stream left, and was dropped there.
+    lost = [index for index, o in enumerate(plain) if isinstance(o, Exception)]
+    assert lost == list(range(2, 30, 2))
+    assert racy_server.wait_for(lambda s: s.requests_dropped_after_stream == len(lost))
 
     installation = llama_guard.install(origins=[racy_server.url])
     ran_before = racy_server.stats().completions_started
@@ -98,7 +94,9 @@ def test_install_guards_plain_clients(library: str, flavor: str, racy_server: Ll
     stats = installation.stats.snapshot()
     assert stats.requests == 30
     assert stats.stream_connections_closed == 15
-    assert racy_server.stats().completions_started - ran_before == 30  # none ran twice
+    server = racy_server.stats()
+    assert server.completions_started - ran_before == 30  # none ran twice
+    assert server.requests_dropped_after_stream == len(lost)  # and none was lost
 
 
 def test_auto_mode_learns_llama_servers_from_their_server_header(racy_server: LlamaServerEmulator) -> None:

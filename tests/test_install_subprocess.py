@@ -18,6 +18,9 @@ import pytest
 
 from llama_guard.testing import LlamaServerEmulator
 
+# Each test starts fresh interpreters that import httpx (2 to 3 s each): the full suite's, not the fast core's.
+pytestmark = pytest.mark.slow
+
 TIMEOUT = 60  # seconds for one child process: it imports httpx/httpx2 and makes a few loopback requests
 
 # {imports} is filled per case; the script then uses `lib` (httpx or httpx2).

@@ -1,9 +1,10 @@
-"""The package's layout rules: private httpcore/httpx attributes are touched only by the internals modules, and
-``llama_guard._core`` imports no HTTP library."""
+"""The package's layout rules: private httpcore/httpx/aiohttp attributes are touched only by the internals modules,
+and ``llama_guard._core`` imports no HTTP library."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import subprocess
 import sys
@@ -15,8 +16,12 @@ import httpx
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_guard"
 # The only modules allowed to touch private attributes of the HTTP libraries (the second is generated).
-INTERNALS = {PACKAGE / "_httpx" / "internals.py", PACKAGE / "_httpx2" / "internals.py"}
-HTTP_LIBRARIES = ("httpx", "httpcore", "httpx2", "httpcore2")
+INTERNALS = {
+    PACKAGE / "_httpx" / "internals.py",
+    PACKAGE / "_httpx2" / "internals.py",
+    PACKAGE / "_aiohttp" / "internals.py",
+}
+HTTP_LIBRARIES = ("httpx", "httpcore", "httpx2", "httpcore2", "aiohttp")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
 
 
@@ -89,7 +94,7 @@ def _library_private_names() -> set[str]:
     """Private attribute names of the HTTP libraries' classes and of the objects a guard meets."""
     names: set[str] = set()
     libraries = [httpx, httpcore]
-    for optional in ("httpx2", "httpcore2"):
+    for optional in ("httpx2", "httpcore2", "aiohttp"):
         with contextlib.suppress(ImportError):  # the dev install has them
             libraries.append(__import__(optional))
     for library in libraries:
@@ -111,7 +116,22 @@ def _library_private_names() -> set[str]:
     return names
 
 
-LIBRARY_PRIVATE_NAMES = _library_private_names()
+def _aiohttp_private_names() -> set[str]:
+    """Private attributes of the aiohttp objects a guard meets (set in their constructors, so not in the classes)."""
+    try:
+        import aiohttp
+    except ImportError:
+        return set()
+
+    async def sample() -> set[str]:
+        connector = aiohttp.TCPConnector()
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return {name for obj in (session, connector) for name in vars(obj) if _private(name)}
+
+    return asyncio.run(sample())
+
+
+LIBRARY_PRIVATE_NAMES = _library_private_names() | _aiohttp_private_names()
 
 
 def _package_files() -> list[Path]:
@@ -139,6 +159,9 @@ def test_the_private_access_check_can_fail() -> None:
         "headers._list",
         "run.guard._probe(stream)",
         "import httpcore\nhttpcore._async.http11",
+        "connector._conns.get(key)",
+        "session._retry_connection = False",
+        "import aiohttp\naiohttp._http_parser",
     ]
     for source in flagged:
         assert list(private_accesses(source)), source

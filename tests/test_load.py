@@ -1,8 +1,9 @@
 """The proxy-like load of the first issue, against the emulator: 16 threads (sync) or 64 tasks (asyncio, trio)
 sharing one client with a 4-connection pool, half of the requests streamed, 2,000 requests in all.
 
-Plain httpx loses requests to connections that the server closes after a stream; the guard loses none, and
-the server ran no completion more often than the clients asked for it.
+Plain httpx loses requests to connections that the server closes after a stream (deterministically here: the
+emulator drops every request written to such a connection, and counts it); the guard loses none, and the server ran
+no completion more often than the clients asked for it.
 
 Then the same with many more workers and a faulty server: 64 threads on one sync client, 1,000 tasks on one async
 client (asyncio and trio), faults armed all along, the pool's bound held (see the comment above those tests).
@@ -56,21 +57,30 @@ async def proxy_load(flavor: str, url: str, guarded: bool) -> object:
 
 
 def _server() -> LlamaServerEmulator:
-    return LlamaServerEmulator(stream_close_delay=0.06, parallel=8, n_tokens=4)
+    return LlamaServerEmulator(stream_close="on_reuse", parallel=8, n_tokens=4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavor", FLAVORS)
-# Plain httpx under trio leaves the request body's async generator unfinished when a write fails, and trio's
-# finalizer warns about it later: that is httpx's behaviour, measured here, not the guard's (its test is strict).
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_proxy_like_load_loses_requests_with_plain_httpx(flavor: str) -> None:
     with _server() as server:
         plain = run_scenario(flavor, proxy_load, flavor, server.url, False)
+        server_side = server.wait_for(lambda s: s.connections_closed == s.connections_accepted)
     assert len(plain.outcomes) == REQUESTS  # type: ignore[attr-defined]
-    plain_lost = len(plain.errors)  # type: ignore[attr-defined]
-    print(f"{flavor}: plain httpx lost {plain_lost}/{REQUESTS}")
-    assert plain_lost > 0, "plain httpx should lose some requests under this load"
+    errors = plain.errors  # type: ignore[attr-defined]
+    dropped = server_side.requests_dropped_after_stream
+    print(f"{flavor}: plain httpx lost {len(errors)}/{REQUESTS}, {dropped} of them dropped after streams")
+    assert dropped > 0, "plain httpx reuses the connections streams leave"
+    # Every request reached the server: it ran, or it was written to a connection a stream had left and dropped.
+    assert server_side.completions_started + dropped == REQUESTS
+    dropped_errors = [e for e in errors if isinstance(e, httpx.RemoteProtocolError)]
+    if flavor == "sync":
+        # On top: httpcore's own race between threads sharing a pool (a socket closed under a reader, "Bad file
+        # descriptor"), which strikes requests that did run, and some of the dropped ones.
+        assert len(errors) >= dropped
+        assert {type(e) for e in errors} <= {httpx.RemoteProtocolError, httpx.ReadError}
+    else:
+        assert len(dropped_errors) == len(errors) == dropped
 
 
 @pytest.mark.slow
@@ -83,6 +93,7 @@ def test_proxy_like_load_loses_nothing_through_the_guard(flavor: str) -> None:
     assert guarded.errors == [], guarded.errors[:3]  # type: ignore[attr-defined]
     assert all(o.status == 200 and o.body for o in guarded.outcomes)  # type: ignore[attr-defined]
     assert server_side.completions_started == REQUESTS, "no completion may run twice"
+    assert server_side.requests_dropped_after_stream == 0, "a stream's connection was reused"
     stats = guarded.stats  # type: ignore[attr-defined]
     assert stats.stream_connections_closed == REQUESTS // 2
     print(f"{flavor}: guard lost 0/{REQUESTS}; {stats.retries} retries, {stats.probes_sent} probes")

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -158,6 +159,7 @@ def _outcome(pool: _Pool, closing: list[_Connection]) -> tuple[Any, ...]:
     )
 
 
+@pytest.mark.slow  # 600 hypothesis examples, seconds
 @settings(max_examples=600, deadline=None)
 @given(connection_specs, request_specs, st.integers(0, 8), st.integers(0, 4))
 def test_the_loops_decide_what_the_comprehensions_did(

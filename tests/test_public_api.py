@@ -12,6 +12,7 @@ def test_exported_members() -> None:
     assert sorted(llama_guard.__all__) == sorted(
         [
             "AsyncGuardTransport",
+            "DualGuardTransport",
             "FirstByteTimeout",
             "GuardError",
             "GuardPolicy",

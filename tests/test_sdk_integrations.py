@@ -1,10 +1,10 @@
 """The guard inside SDKs that build their own clients: openai 3.x and pydantic-ai 2.x (both on httpx2).
 
-The emulator's streams close 60 ms after their final chunk, so a pooled client that reuses one loses the request.
-The SDK's own per-request work tends to hide that race (see tests/test_install.py for plain clients losing
-requests on the same server), so these tests show that the guard is in the SDK's path, counts every request and
-loses none: the installation's stats must count exactly the requests the SDK made, and the server must have run
-each of them exactly once.
+The emulator gives up a stream's connection after its final chunk and drops whatever request is written to it next
+(``stream_close="on_reuse"``: see tests/test_install.py for plain clients losing exactly those requests). These
+tests show that the guard is in the SDK's path, counts every request and loses none: the installation's stats must
+count exactly the requests the SDK made, the server must have run each of them exactly once, and no request may
+have gone to a stream's connection (the server counts those it dropped: none).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ REQUESTS = 1000
 
 @pytest.fixture
 def server() -> Iterator[LlamaServerEmulator]:
-    with LlamaServerEmulator(stream_close_delay=0.06, http_threads=32, parallel=8, pool_bug=False) as emulator:
+    with LlamaServerEmulator(stream_close="on_reuse", http_threads=32, parallel=8, pool_bug=False) as emulator:
         yield emulator
+    assert emulator.stats().requests_dropped_after_stream == 0, "the guard let a stream's connection be reused"
 
 
 @pytest.fixture(autouse=True)
@@ -92,6 +93,7 @@ def test_openai_with_a_guarded_http_client(server: LlamaServerEmulator) -> None:
     assert stats.stream_connections_closed == 2
 
 
+@pytest.mark.slow  # imports pydantic-ai, seconds
 def test_pydantic_ai_agent_through_install(server: LlamaServerEmulator) -> None:
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel

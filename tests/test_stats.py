@@ -78,3 +78,21 @@ def test_snapshot_as_dict_is_plain_data() -> None:
     assert data["probes_sent"] == 2
     assert data["probes_failed"] == 1
     assert data["probe_latency"]["count"] == 1
+
+
+def test_an_empty_distribution_is_false_and_the_repr_names_the_attributes() -> None:
+    stats = GuardStats()
+    snap = stats.snapshot()
+    assert not snap.first_byte  # `snap.first_byte.max if snap.first_byte else None` gives None
+    assert snap.first_byte is not None
+    assert snap.first_byte.count == 0
+    assert snap.as_dict()["first_byte"]["count"] == 0  # as_dict() keeps the empty summary
+    stats.record_request(attempts=1, first_byte=0.25, closed_by_header=True)
+    snap = stats.snapshot()
+    assert snap.first_byte
+    assert snap.first_byte.max == 0.25
+    text = repr(stats)
+    for name in ("requests", "attempts", "retries", "stall_reconnects", "stream_connections_closed", "probes_sent"):
+        assert f" {name}=" in text, name
+        assert hasattr(stats, name), name
+    assert "stream_connections_closed=1" in text

@@ -3,6 +3,7 @@ probe edge cases, what is never resent, errors and logs. Real sockets, the emula
 
 from __future__ import annotations
 
+import json
 import logging
 import pickle
 from collections.abc import Iterator
@@ -118,7 +119,7 @@ def test_caller_trace_is_called_and_request_is_left_as_it_was(flavor: str, serve
             assert response.request is request
             assert request.extensions == original_extensions
             assert request.headers["connection"] == "keep-alive"  # the guard sent its Connection: close on a copy
-            assert b'"stream":true' in request.content
+            assert json.loads(request.content)["stream"] is True  # the body the caller built, as it built it
             return response
         finally:
             await close_driver(driver)
@@ -170,6 +171,8 @@ def test_probe_answered_503_while_loading_keeps_probing(server: LlamaServerEmula
     assert "answered GET /health with 503" in response.extensions["llama_guard"].history[0]
     # The failed one, none for the retry (the server had just answered), the new connection's after the stream.
     assert stats.probes_sent == 2
+    # The 503 that closed the connection is a failed probe, as its ProbeError is an error; the other one passed.
+    assert (stats.probes_failed, stats.errors, stats.probe_latency.count) == (1, {"ProbeError": 1}, 1)
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -210,6 +213,7 @@ def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog
     assert first.extensions["llama_guard"].attempts == 2
     assert second.extensions["llama_guard"].attempts == 1
     assert stats.probes_sent == 1
+    assert (stats.probes_failed, stats.errors, stats.probe_latency.count) == (1, {"ProbeError": 1}, 0)
     assert "probing disabled for this origin" in caplog.text
 
 

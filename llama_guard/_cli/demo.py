@@ -3,15 +3,19 @@
 Two scenarios, each with plain httpx and with the guard, against a fresh in-process `LlamaServerEmulator`:
 
 - proxy-like load: 16 threads share one client with a 4-connection pool; half the requests stream. The server
-  closes each stream's connection 60 ms after its final chunk (the real one closes it at once; the delay makes
-  the race visible on loopback), so a pooled client reuses dying connections.
+  gives up each stream's connection after its final chunk, and a pooled client reuses it: the request it writes
+  there is lost. (The real server closes at once, and the client loses the request when it reuses the connection
+  before the close arrives, a race; the emulator's ``stream_close="on_reuse"`` makes it happen every time, so the
+  demo shows the defect on a busy machine too.)
 - burst: 32 keep-alive connections opened at once before any request, one per client (a pool re-opening all
-  its connections); cpp-httplib's pool bug leaves the last ones unread.
+  its connections); cpp-httplib's pool bug leaves those after the pool's 4 threads unread (``stall_burst``: every
+  time, rather than when the server's threads happen to wake late).
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TextIO
@@ -39,18 +43,28 @@ def _body(index: int, stream: bool) -> dict[str, object]:
 def _proxy_load(guarded: bool, requests: int) -> DemoRow:
     row = DemoRow("proxy-like load", "guard" if guarded else "plain httpx")
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=4.0)
-    with LlamaServerEmulator(stream_close_delay=0.06, parallel=8, n_tokens=4) as server:
+    with LlamaServerEmulator(stream_close="on_reuse", parallel=8, n_tokens=4) as server:
         inner = httpx.HTTPTransport(limits=limits)
         transport: httpx.BaseTransport = GuardTransport(inner) if guarded else inner
         with httpx.Client(transport=transport, base_url=server.url, timeout=10.0) as client:
-            proxy_load(client, row, requests=requests, workers=16, path=CHAT, body_for=lambda i: _body(i, i % 2 == 1))
+            proxy_load(
+                client,
+                row,
+                requests=requests,
+                workers=16,
+                path=CHAT,
+                body_for=lambda i: _body(i, i % 2 == 1),
+                progress=sys.stderr,
+            )
     return row
 
 
 def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
     row = DemoRow("burst", "guard" if guarded else "plain httpx")
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    with LlamaServerEmulator(http_threads=4) as server:
+    threads = 4
+    # A burst no larger than the pool cannot stall (stall_burst must exceed http_threads).
+    with LlamaServerEmulator(http_threads=threads, stall_burst=clients if clients > threads else None) as server:
         sockets = open_burst("127.0.0.1", server.port, clients)
         timeout = httpx.Timeout(seconds + 1.0)
         opened: list[httpx.Client] = []
@@ -61,11 +75,12 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
         started = time.monotonic()
         stop_at = started + seconds
         answered = [False] * clients
+        stop = threading.Event()
 
         def client_job(number: int) -> Callable[[], None]:
             def run() -> None:
                 client, index = opened[number], 0
-                while time.monotonic() < stop_at:
+                while time.monotonic() < stop_at and not stop.is_set():
                     remaining = max(stop_at - time.monotonic(), 0.1)
                     if not send_one(client, CHAT, _body(index, False), row, timeout=remaining):
                         break
@@ -78,8 +93,17 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
 
             return run
 
+        def tick() -> None:
+            served = answered.count(True)
+            print(
+                f"      {time.monotonic() - started:3.0f} s of {seconds:g}: {served} of {clients} connections "
+                f"answered, {row.requests} requests",
+                file=sys.stderr,
+                flush=True,
+            )
+
         try:
-            run_threads([client_job(number) for number in range(clients)])
+            run_threads([client_job(number) for number in range(clients)], stop=stop, tick=tick)
         finally:
             for client in opened:
                 client.close()

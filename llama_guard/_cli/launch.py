@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from .._install.environment import BOOTSTRAP_DIRECTORY, ORIGINS_VARIABLE, origins_from_text
-from .._install.patching import _normalise_install_origins
+from .._install.patching import normalise_install_origins
 
 __all__ = ["exec_guarded"]
 
@@ -32,7 +32,7 @@ def exec_guarded(command: Sequence[str], *, origins: str | None, environ: Mappin
         return 2
     text = origins if origins is not None else environ.get(ORIGINS_VARIABLE, "auto")
     try:
-        _normalise_install_origins(origins_from_text(text))
+        normalise_install_origins(origins_from_text(text))
     except ValueError as exc:
         print(f"llama-guard run: bad origins {text!r}: {exc}", file=sys.stderr)
         return 2

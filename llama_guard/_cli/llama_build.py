@@ -4,16 +4,31 @@ llama-server reports its build as ``build_info`` in ``GET /props`` (``b11434-1a2
 the commit) and prints it with ``--version``. Builds made from a source archive without git (PyPI's sdist, some
 distribution packages) know neither: they say ``b0-unknown``, and ``--version`` prints ``build 0, commit unknown``.
 Such a build number tells nothing, so callers get None for it and must judge by behaviour.
+
+A build whose commit field is ``fixedpool`` (``b11434-fixedpool``) carries cpp-httplib's thread-pool fix whatever
+its number: ``scripts/get_llama_server.py --fixed-pool`` builds b11434 with the fix applied and names it so, as
+the comparison server of the tests and benchmarks.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["FIRST_FIXED_BUILD", "build_number", "has_pool_defect", "version_build_info"]
+__all__ = [
+    "FIRST_FIXED_BUILD",
+    "POOL_FIX_TAG",
+    "build_has_pool_defect",
+    "build_number",
+    "has_pool_defect",
+    "pool_fix_applied",
+    "version_build_info",
+]
 
 #: The first llama.cpp build whose cpp-httplib thread pool starts the threads a burst of connections needs.
 FIRST_FIXED_BUILD = 11737
+
+#: The commit field of a build patched with the thread-pool fix (``b11434-fixedpool``).
+POOL_FIX_TAG = "fixedpool"
 
 _BUILD_INFO = re.compile(r"^b(\d+)(?:-|$)")
 # "version: 0.6.0-dev (build 11434, commit 1a2b3c4d)" (recent) and "version: 4589 (1d1e6a90)" (older builds).
@@ -46,3 +61,17 @@ def has_pool_defect(number: int | None) -> bool | None:
     if number is None:
         return None
     return number < FIRST_FIXED_BUILD
+
+
+def pool_fix_applied(build_info: str | None) -> bool:
+    """True for ``b<N>-fixedpool``: an older build with the thread-pool fix applied (see the module docstring)."""
+    if not build_info:
+        return False
+    return re.fullmatch(rf"b\d+-{POOL_FIX_TAG}", build_info.strip()) is not None
+
+
+def build_has_pool_defect(build_info: str | None) -> bool | None:
+    """``has_pool_defect`` for a ``build_info`` string, a patched build counting as fixed."""
+    if pool_fix_applied(build_info):
+        return False
+    return has_pool_defect(build_number(build_info))

@@ -13,10 +13,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TextIO
 
 import httpx
 
-__all__ = ["LoadRow", "proxy_load", "run_threads", "send_one"]
+__all__ = ["PROGRESS_EVERY", "LoadRow", "join_stragglers", "proxy_load", "run_threads", "send_one"]
 
 
 @dataclass
@@ -95,24 +96,78 @@ def proxy_load(
     path: str,
     body_for: Callable[[int], dict[str, object]],
     deadline: float | None = None,
+    progress: TextIO | None = None,
 ) -> None:
     """``requests`` requests from ``workers`` threads sharing ``client``; no new request after ``deadline``
-    (a time.monotonic() value), so a slow server cannot stretch the load without bound."""
+    (a time.monotonic() value), so a slow server cannot stretch the load without bound. With ``progress``, a
+    line there every few seconds: how many were sent and lost so far."""
     counter = itertools.count()
     origin = time.monotonic()
+    stop = threading.Event()
 
     def worker() -> None:
-        while (index := next(counter)) < requests:
+        while not stop.is_set() and (index := next(counter)) < requests:
             if deadline is not None and time.monotonic() >= deadline:
                 return
             send_one(client, path, body_for(index), row, origin=origin)
 
-    run_threads([worker] * workers)
+    def tick() -> None:
+        if progress is not None:
+            with row.lock:
+                done, lost = row.requests, row.errors
+            elapsed = time.monotonic() - origin
+            print(f"      {elapsed:3.0f} s: {done} of {requests} requests, {lost} lost", file=progress, flush=True)
+
+    run_threads([worker] * workers, stop=stop, tick=tick)
 
 
-def run_threads(jobs: list[Callable[[], None]]) -> None:
-    threads = [threading.Thread(target=job, daemon=True) for job in jobs]
+#: Seconds between progress lines of a long wait.
+PROGRESS_EVERY = 2.0
+
+
+def run_threads(
+    jobs: list[Callable[[], None]],
+    *,
+    stop: threading.Event | None = None,
+    tick: Callable[[], None] | None = None,
+    every: float = PROGRESS_EVERY,
+) -> None:
+    """Run ``jobs`` in threads and wait for them. On Ctrl-C, ``stop`` is set (jobs should check it between
+    requests) and the interrupt goes on to the caller, whose ``with`` blocks close the client and the server
+    under the threads: what those threads then raise is the interruption's echo, not an error, and stays quiet.
+    ``tick`` is called every ``every`` seconds while they run (progress)."""
+    stop = stop if stop is not None else threading.Event()
+
+    def quiet(job: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                job()
+            except BaseException:
+                if not stop.is_set():
+                    raise
+
+        return run
+
+    threads = [threading.Thread(target=quiet(job), daemon=True, name="llama-guard-load") for job in jobs]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    next_tick = time.monotonic() + every
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(max(next_tick - time.monotonic(), 0.0) if tick is not None else None)
+                if tick is not None and time.monotonic() >= next_tick:
+                    tick()
+                    next_tick = time.monotonic() + every
+    except KeyboardInterrupt:
+        stop.set()
+        raise
+
+
+def join_stragglers(budget: float = 2.0) -> list[threading.Thread]:
+    """Wait up to ``budget`` seconds for this process's other threads to end; the ones still running."""
+    deadline = time.monotonic() + budget
+    others = [thread for thread in threading.enumerate() if thread is not threading.current_thread()]
+    for thread in others:
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    return [thread for thread in others if thread.is_alive()]

@@ -9,41 +9,49 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXIT_INTERRUPTED", "build_parser", "interrupted", "main"]
 
 Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], argparse.ArgumentParser]
 Runner = Callable[[argparse.Namespace], int]
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1; got {text}")
+def _whole(text: str, accepted: str, low: int, high: int | None = None) -> int:
+    """``text`` as a whole number in [low, high]; else an error saying what is accepted (argparse names the
+    argument: ``argument --requests: expected a whole number of at least 1, got 'abc'``)."""
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < low or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"expected {accepted}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _whole(text, "a whole number of at least 1", 1)
 
 
 def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 0; got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0; got {text}")
-    return value
+    return _whole(text, "a whole number of at least 0 (0 turns it off)", 0)
 
 
 def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a TCP port from 1 to 65535; got {text}")
+    return _whole(text, "a TCP port, a whole number from 1 to 65535", 1, 65535)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0 (e.g. 2.5), got {text!r}")
     return value
 
 
@@ -89,10 +97,16 @@ with the evidence and the fix:
     (the thread-pool defect of builds before b11737). Off by default: it loads the server.
 It runs a few tiny completions (--max-tokens tokens each) on the server.
 
-exit status: 0 no defect found, 1 affected by a defect, 2 could not run (bad URL, unreachable, not a
-llama-server, timeout).""",
+The URL may be the server's base URL as clients use it (http://HOST:PORT/v1): doctor looks for llama-server
+under its path, then under each shorter path down to the root, and says where it found it.
+
+exit status: 0 every defect examined and found absent, 1 affected by a defect, 2 could not run (bad URL,
+unreachable, no llama-server found, timeout), 3 no defect found but at least one could not be told,
+130 interrupted (Ctrl-C).""",
     )
-    doctor.add_argument("url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080 (a path is a prefix)")
+    doctor.add_argument(
+        "url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080, or a URL under it such as its /v1 base URL"
+    )
     doctor.add_argument(
         "--requests", type=_count, default=100, help="requests of the pooled load, per client kind (100; 0: skip)"
     )
@@ -152,7 +166,8 @@ max(parallel + 4, CPUs - 1)). With --watch SECONDS it samples the servers' socke
 every connection whose request sits unread (Recv-Q > 0) for --stall-seconds:
   STALLED 127.0.0.1:8080<-127.0.0.1:54264: request unread for 5 s
 
-exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /proc unreadable, no server).""",
+exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /proc unreadable, no server),
+130 interrupted (Ctrl-C; what was seen so far is still reported).""",
     )
     watch.add_argument("--pid", type=_positive_int, action="append", default=[], help="watch this process")
     watch.add_argument("--port", type=_port, action="append", default=[], help="watch the server on this port")
@@ -237,7 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     verbose = getattr(args, "verbose", False)
     logging.basicConfig(level=logging.WARNING if verbose else logging.ERROR, format="%(message)s")
     _, run = COMMANDS[args.command]
-    return run(args)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        return interrupted(args.command)
+
+
+#: The exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+
+
+def interrupted(command: str) -> int:
+    """Ctrl-C: one line, no traceback. A second Ctrl-C while this returns is ignored, so it stays one line."""
+    from .load import join_stragglers
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    left = join_stragglers()
+    extra = f" ({len(left)} thread(s) still waiting on the network are abandoned)" if left else ""
+    print(f"llama-guard {command}: interrupted{extra}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

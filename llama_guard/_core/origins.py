@@ -10,9 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-__all__ = ["Origin", "OriginRegistry", "parse_origin"]
+__all__ = ["LOOPBACK_HOSTS", "Origin", "OriginRegistry", "parse_origin"]
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+#: Spellings of this machine's loopback that one local server answers to: ``localhost`` resolves to one of the
+#: others. An origin listed with one of them matches requests that use another (same scheme and port).
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 class Origin(NamedTuple):
@@ -31,6 +34,11 @@ class Origin(NamedTuple):
     def of_url(cls, url: Any) -> Origin:
         """The origin of an httpx or httpx2 ``URL`` (anything with ``scheme``, ``host`` and ``port``)."""
         return cls.of(url.scheme, url.host, url.port)
+
+    def same_server_key(self) -> Origin:
+        """The key under which origins that reach the same server compare equal: the loopback spellings
+        (``localhost``, ``127.0.0.1``, ``[::1]``) of one scheme and port are one server."""
+        return self._replace(host="localhost") if self.host in LOOPBACK_HOSTS else self
 
     def __str__(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -73,6 +81,8 @@ class OriginRegistry:
         self._known: set[Origin] = set()
         if not isinstance(setting, str):
             self._known = {item if isinstance(item, Origin) else parse_origin(item) for item in setting}
+        # Loopback origins under their shared key, so that "localhost" guards requests to "127.0.0.1" too.
+        self._loopback = {origin.same_server_key() for origin in self._known if origin.host in LOOPBACK_HOSTS}
         self._lock = threading.Lock()
 
     @property
@@ -81,7 +91,11 @@ class OriginRegistry:
         return self._auto
 
     def is_llama(self, origin: Origin) -> bool:
-        return self.every_origin or origin in self._known
+        return (
+            self.every_origin
+            or origin in self._known
+            or (origin.host in LOOPBACK_HOSTS and origin.same_server_key() in self._loopback)
+        )
 
     def learn(self, origin: Origin, headers: Mapping[str, str]) -> bool:
         """Record an origin that identified itself as llama-server; True if this response showed it."""
@@ -90,6 +104,8 @@ class OriginRegistry:
         if origin not in self._known:
             with self._lock:
                 self._known.add(origin)
+                if origin.host in LOOPBACK_HOSTS:
+                    self._loopback.add(origin.same_server_key())
         return True
 
     def known(self) -> frozenset[Origin]:

@@ -273,6 +273,24 @@ class RequestState:
             self.probe_number, peek, self.stats, time.monotonic() - seconds, watch=self.policy.probe_timeout_max
         )
 
+    def probe_closed(self, status: int) -> bool:
+        """The server answered the probe with ``status`` and closed the connection: that connection is lost. True
+        when probing this origin can never leave a usable connection (a healthy answer), logged here; the
+        transport then stops probing the origin."""
+        # Else llama-server answers 503 with Connection: close while it loads a model: the server is reading new
+        # connections, so this request's next attempts go unprobed: the request itself then gets the server's answer
+        # (a 503 "Loading model", retried on its own terms, and handed to the caller if it lasts) instead of failing
+        # probe after probe.
+        self.server_reads_connections = True
+        if not 200 <= status < 300:
+            return False
+        logger.warning(
+            "%s closes connections after GET /health, so new connections cannot be probed; "
+            "probing disabled for this origin",
+            self.origin,
+        )
+        return True
+
     def judge_failure(self, kind: FailureKind, error_name: str, detail: str) -> None:
         """Record a failed attempt (``error_name``: the exception class the caller would see) and set
         ``self.verdict`` for the retry hooks."""

@@ -23,7 +23,10 @@ _LOG_GROWTH = math.log(_GROWTH)
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
-    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact."""
+    """A latency distribution in seconds; percentiles are bucket upper bounds (within 2%), max is exact.
+
+    False when it holds no samples, so ``snap.first_byte.max if snap.first_byte else None`` reads as it says.
+    """
 
     count: int
     max: float
@@ -33,7 +36,11 @@ class LatencySummary:
     p999: float
     mean: float
 
+    def __bool__(self) -> bool:
+        return self.count > 0
+
     def as_dict(self) -> dict[str, float]:
+        """Plain data for JSON and logs."""
         return {name: getattr(self, name) for name in self.__slots__}
 
 
@@ -120,6 +127,9 @@ class StatsSnapshot:
     # Why the guard follows requests through httpcore's public trace extension instead of its hooks on the pool
     # (an httpcore/httpx version it was not tested with, or a pool out of reach); None when the hooks are in place.
     public_path: str | None = None
+    # Why new connections are not probed although the policy asks for it (the wrapped transport sends without
+    # httpcore, so the guard cannot reach its connections); None while probing works or is off by policy.
+    probing_off: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
@@ -140,10 +150,12 @@ class StatsSnapshot:
             )
         }
         data["errors"] = dict(self.errors)
-        data["first_byte"] = self.first_byte.as_dict() if self.first_byte else None
-        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency else None
-        data["admission_wait"] = self.admission_wait.as_dict() if self.admission_wait else None
+        # `is not None`: an empty summary is false, and still a summary (count 0).
+        data["first_byte"] = self.first_byte.as_dict() if self.first_byte is not None else None
+        data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency is not None else None
+        data["admission_wait"] = self.admission_wait.as_dict() if self.admission_wait is not None else None
         data["public_path"] = self.public_path
+        data["probing_off"] = self.probing_off
         return data
 
 
@@ -159,6 +171,7 @@ class GuardStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
+        self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
         self.reset()
 
     def reset(self) -> None:
@@ -239,17 +252,19 @@ class GuardStats:
                 probe_latency=self.probe_latency.summary(),
                 admission_wait=self.admission_wait.summary(),
                 public_path=self.public_path,
+                probing_off=self.probing_off,
             )
 
     def __repr__(self) -> str:
         snap = self.snapshot()
         fb = snap.first_byte
         latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
+        probing = " probing=off" if snap.probing_off is not None else ""
         return (
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "
-            f"stall_reconnects={snap.stall_reconnects} streams_closed={snap.stream_connections_closed} "
+            f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
             f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} "
             f"probes_given_up={snap.probes_given_up} probes_answered_late={snap.probes_answered_late} "
-            f"admission_waits={snap.admission_waits} errors={snap.errors}{latency}>"
+            f"admission_waits={snap.admission_waits}{probing} errors={snap.errors}{latency}>"
         )

@@ -6,12 +6,16 @@ handled here, each in the direction of llama-server:
 
 - the body must be UTF-8 (``json.loads`` on bytes would also detect UTF-16 and UTF-32);
 - ``NaN``, ``Infinity`` and numbers beyond a double's range are errors;
-- an escaped lone surrogate (``"\\ud800"``) is an error;
+- an escaped lone surrogate (``"\\ud800"``) is an error; an escaped backslash followed by ``ud800`` is not one;
 - nesting deeper than Python's recursion limit is fine (nlohmann keeps its own stack): the top-level keys are then
   found by an iterative scan.
 
-A body llama-server rejects streams nothing, so it is "not a stream". Sans-I/O; tested in ``tests/test_fuzz.py``
-against these rules and in ``tests/test_decisions.py`` as a table.
+A body llama-server rejects streams nothing, so it is "not a stream".
+
+Cost: one ``json.loads`` (C speed), then checks that run only when the answer would be "a stream" (they can only
+turn it into "not a stream"), each a fraction of a pass over the body or a walk of the few strings a prompt-like
+body holds. Sans-I/O; tested in ``tests/test_fuzz.py`` against llama-server's rules and in
+``tests/test_decisions.py`` as a table.
 """
 
 from __future__ import annotations
@@ -19,62 +23,181 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Final
+from typing import Any, Final
 
 __all__ = ["wants_stream"]
 
-# A high surrogate escape not followed by a low one, or a low one not preceded by a high one.
-_LONE_SURROGATE: Final = re.compile(
-    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
-    r"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
-)
+# Below this size a byte check answers most bodies without parsing; above it the check costs about as much as the
+# parse it would save (both are one pass over the body), so the body is parsed at once.
+BYTE_CHECK_LIMIT: Final = 64 * 1024
+# parse_int: a C callable that returns a constant is faster than building each integer, whose value never decides
+# the answer (False in the document: not the boolean true).
+_NO_INTEGER: Final = frozenset[str]().__contains__
+
+
+class _DuplicateKeys(Exception):
+    """An object repeats a key: the value it overwrites is out of the document's reach, but must be valid too."""
 
 
 def wants_stream(body: bytes) -> bool:
-    """True when a JSON request body asks for ``"stream": true`` at its top level, as llama-server reads it.
-
-    A cheap byte check comes first: a body that contains neither ``stream`` nor a JSON escape (which could spell
-    the key) cannot ask for a stream, so most bodies are never parsed.
-    """
+    """True when a JSON request body asks for ``"stream": true`` at its top level, as llama-server reads it."""
     # bytes.find, not the `in` operator: `x in body` first tries x as an integer, and raises and discards a
     # formatted TypeError before it searches (CPython 3.11), which cost more than the searches themselves.
-    if body.find(b"stream") == -1 and body.find(b"\\u") == -1:
+    # A body with neither "stream" nor an escape (which could spell the key) cannot ask for a stream.
+    if len(body) < BYTE_CHECK_LIMIT and body.find(b"stream") == -1 and body.find(b"\\u") == -1:
         return False
     try:
         text = body.decode("utf-8-sig")  # nlohmann skips a UTF-8 byte order mark too
     except UnicodeDecodeError:
         return False
-    if "\\u" in text and _LONE_SURROGATE.search(text):
-        return False
+    # A small body's text is searched for lone surrogates at once; a large one's parsed strings are walked instead,
+    # when they are few (a search costs a pass that is slow where escapes are dense).
     try:
-        document = json.loads(text, parse_constant=_refuse, parse_float=_finite_float, parse_int=_finite_int)
+        return _reads_as_stream(body, text, walk=len(body) >= BYTE_CHECK_LIMIT)
+    except _DuplicateKeys:  # rare: a repeated key's overwritten value is out of the walk's reach
+        return _reads_as_stream(body, text, walk=False)
+
+
+def _reads_as_stream(body: bytes, text: str, *, walk: bool) -> bool:
+    """Parse, then check what nlohmann refuses and Python accepts. ``walk``: objects are checked for repeated keys
+    (`_DuplicateKeys`), so that lone surrogates may be looked for in the parsed strings rather than in the text."""
+    floats: list[str] = []
+    try:
+        document = json.loads(
+            text,
+            object_pairs_hook=_object if walk else None,
+            parse_constant=_refuse,
+            parse_float=floats.append,
+            parse_int=_NO_INTEGER,
+        )
     except RecursionError:
-        return _top_level_stream(text)
+        return _top_level_stream(text) and not _has_lone_surrogate_escape(text)
     except ValueError:
         return False
-    return isinstance(document, dict) and document.get("stream") is True
+    if not (isinstance(document, dict) and document.get("stream") is True):
+        return False
+    if any(map(math.isinf, map(float, floats))) or _integer_out_of_range(body, text):
+        return False
+    lone = _has_lone_surrogate(document, budget=len(text) // _WALK_BUDGET_DIVISOR) if walk else None
+    return not (_has_lone_surrogate_escape(text) if lone is None else lone)
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    document = dict(pairs)
+    if len(document) != len(pairs):
+        raise _DuplicateKeys
+    return document
 
 
 def _refuse(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON")
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if math.isinf(value):
-        raise ValueError(f"number out of range: {text[:20]}...")
-    return value
+# The longest integer a double holds finitely has 309 digits; one of 309 may still fit, and is converted.
+_LONGEST_FINITE_INTEGER: Final = 308
+_DIGITS_AS_ZERO: Final = bytes.maketrans(b"0123456789", b"0" * 10)
+# A run of 309 digits covers 3 consecutive multiples of 100 and 30 of 10: samples of every hundredth, then every
+# tenth byte, find every such run; each finer search runs only when the coarser one found a candidate.
+_SAMPLES: Final = tuple((step, b"0" * ((_LONGEST_FINITE_INTEGER + 1) // step)) for step in (100, 10, 1))
 
 
-def _finite_int(text: str) -> int:
-    # nlohmann stores an integer beyond 64 bits as a double: one beyond a double's range is an error.
-    if len(text) > 300 and math.isinf(float(text)):
-        raise ValueError(f"number out of range: {text[:20]}...")
-    return int(text)
+def _integer_out_of_range(body: bytes, text: str) -> bool:
+    """Whether an integer is beyond a double's range (nlohmann stores one beyond 64 bits as a double).
+
+    Only a run of 309 digits can be one. Samples of the body rule that out in a small part of a pass (a body of
+    long numbers may need the full search); a body with such a run (in a number or a string) is parsed again with
+    its integers kept as text.
+    """
+    for step, run in _SAMPLES:
+        if body[::step].translate(_DIGITS_AS_ZERO).find(run) == -1:
+            return False
+    integers: list[str] = []
+    json.loads(text, parse_int=integers.append)
+    return any(math.isinf(float(integer)) for integer in integers if len(integer) > _LONGEST_FINITE_INTEGER)
+
+
+# A body with more containers and strings than its length over this (one per 1 KiB) is read for lone surrogates
+# from its text, a pass at C speed, rather than walked node by node in Python.
+_WALK_BUDGET_DIVISOR: Final = 1024
+
+
+def _has_lone_surrogate(document: dict[str, Any], budget: int) -> bool | None:
+    """Whether a string in the parsed document (which repeats no key) holds a surrogate code point; None when the
+    document has more than ``budget`` (at least 64) containers and strings.
+
+    Python's json joins an escaped pair into one character and keeps a lone escape as a surrogate, and valid UTF-8
+    holds no surrogates: so one found here was a lone escape in the body. ASCII strings are passed over at no
+    cost, and so is an array of numbers and literals (token ids) at C speed.
+    """
+    pending: list[Any] = [document]
+    budget = max(budget, 64)
+    while pending:
+        budget -= 1
+        if budget < 0:
+            return None
+        item = pending.pop()
+        if type(item) is str:
+            if not item.isascii() and _holds_surrogate(item):
+                return True
+        elif type(item) is dict:
+            pending.extend(item)
+            pending.extend(item.values())
+        elif type(item) is list and not _only_literals(item):
+            pending.extend(item)
+    return False
+
+
+def _holds_surrogate(text: str) -> bool:
+    # Latin-1 holds no surrogate, and encoding to it is a copy for a string of such characters (it fails at the
+    # first wider one otherwise); UTF-8 refuses a surrogate. Both C passes, faster than a regular expression.
+    try:
+        text.encode("latin-1")
+        return False
+    except UnicodeEncodeError:
+        pass
+    try:
+        text.encode()
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _only_literals(array: list[Any]) -> bool:
+    """An array of integers (False here), floats (None) and literals: no string or container inside."""
+    size = len(array)
+    found = array.count(False)  # the commonest first: one count answers a list of token ids
+    if found != size:
+        found += array.count(None)
+    if found != size:
+        found += array.count(True)
+    return found == size
+
+
+# A high surrogate escape not followed by a low one, or a low one not preceded by a high one. Both start with the
+# literal \u, so the search skips to backslashes at C speed (a lookbehind in front would be tried at every place).
+_LONE_SURROGATE_ESCAPE: Final = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    r"|\\u[dD][c-fC-F][0-9a-fA-F]{2}(?<!\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+)
+
+
+def _has_lone_surrogate_escape(text: str) -> bool:
+    """Whether the JSON text holds an escaped lone surrogate.
+
+    In ``\\\\ud800`` the first backslash escapes the second: a backslash and the letters ``ud800``. A search of the
+    raw text can only over-report (such a backslash), never miss, so it answers most bodies alone; a match is
+    confirmed after escaped backslashes are replaced, left to right as a JSON reader pairs them, by a character
+    that cannot join its neighbours into an escape.
+    """
+    if _LONE_SURROGATE_ESCAPE.search(text) is None:
+        return False
+    return _LONE_SURROGATE_ESCAPE.search(text.replace("\\\\", "#")) is not None
 
 
 _STRING: Final = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_STRUCTURE: Final = re.compile(r'["{}\[\],]')
+# A string's quote, a comma, or a run of opening or closing brackets (a run is counted at once: deep nesting is
+# mostly such runs).
+_STRUCTURE: Final = re.compile(r'"|,|[\[{]+|[\]}]+')
 _WHITESPACE: Final = re.compile(r"[ \t\r\n]*")
 _TRUE_END: Final = frozenset(" \t\r\n,}")
 
@@ -82,8 +205,9 @@ _TRUE_END: Final = frozenset(" \t\r\n,}")
 def _top_level_stream(text: str) -> bool:
     """The top-level ``"stream"`` of a document too deep for ``json.loads``, found without recursion.
 
-    Checks the structure (brackets balanced, strings closed, a top-level object), not every value: this runs
-    only for bodies nested thousands deep, which an application does not send by accident.
+    Checks the structure (brackets balanced, strings closed, a top-level object closed by a brace), not every
+    value nor the kind of every inner bracket: this runs only for bodies nested thousands deep, which an
+    application does not send by accident.
     """
     start = _WHITESPACE.match(text, 0)
     position = start.end() if start else 0
@@ -115,16 +239,15 @@ def _top_level_stream(text: str) -> bool:
                     end = position + 4
                     stream = text.startswith("true", position) and (end == len(text) or text[end] in _TRUE_END)
             continue
+        run = found.end() - position
+        position = found.end()
         if char in "{[":
-            depth += 1
+            depth += run
             expecting_key = depth == 1
         elif char in "}]":
-            depth -= 1
-            if depth < 0:
-                return False
-            if depth == 0:
-                return stream and not text[position + 1 :].strip()
+            if run >= depth:  # the top-level object closes in this run, with a brace, and nothing may follow it
+                return run == depth and text[position - 1] == "}" and stream and not text[position:].strip()
+            depth -= run
         elif depth == 1:
             expecting_key = True  # a comma between top-level members
-        position += 1
     return False

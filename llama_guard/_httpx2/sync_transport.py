@@ -108,6 +108,9 @@ class GuardTransport(httpx.BaseTransport):
         self._drops_streams = self._policy.stream_mode != "off"
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
+        # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
+        # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
+        self._reports_trace_events: bool | None = None
 
     @property
     def policy(self) -> GuardPolicy:
@@ -254,8 +257,35 @@ class GuardTransport(httpx.BaseTransport):
         except BaseException:
             run.end_attempt()
             raise
+        if trace is not None and not self._reports_trace_events:
+            self._learn_trace_support(run)
         run.end_attempt()
         return self._attempt_answered(run, response)
+
+    def _learn_trace_support(self, run: RequestRun) -> None:
+        """After an answer on the trace path: a wrapped transport that reported no trace event does not send
+        through httpcore, so the guard cannot probe its new connections. Said once per transport, in the log and in
+        ``stats.probing_off``; a later answer with trace events (a cache hit came first, say) takes it back."""
+        assert run.tracker is not None
+        if run.tracker.saw_events:
+            self._reports_trace_events = True
+            self.stats.probing_off = None
+            return
+        if self._reports_trace_events is False or not run.policy.probe:
+            return
+        self._reports_trace_events = False
+        name = type(self._transport).__name__
+        self.stats.probing_off = (
+            f"{name} does not send through httpcore (it reports no trace events), so the guard cannot probe its new "
+            "connections"
+        )
+        logger.warning(
+            "%s: new connections to %s are not probed, so a connection that llama-server before b11737 leaves "
+            "unread is not caught (retries and stream handling still apply). Guard an httpx.HTTPTransport "
+            "instead, or for an aiohttp-based transport (litellm's) use llama_guard.install() or llama_guard.aiohttp",
+            self.stats.probing_off,
+            run.origin,
+        )
 
     def _attempt_failed(self, run: RequestRun, exc: Exception) -> NoReturn:
         """Judge the attempt's failure (the verdict goes to ``run``), end the attempt, and raise: the exception
@@ -331,22 +361,13 @@ class GuardTransport(httpx.BaseTransport):
             stream.close()
             run.probe_abandoned()
             raise
-        run.probe_answered(time.monotonic() - started)
-        if not answer.keep_alive:
+        if answer.keep_alive:
+            run.probe_answered(time.monotonic() - started)
+        else:  # an answer that closes the connection fails the probe (counted with the ProbeError it raises)
+            run.probe_failed(time.monotonic() - started)
             stream.close()
-            if 200 <= answer.status < 300:
-                # A healthy server that closes after /health: probing it can never leave a usable connection.
+            if run.probe_closed(answer.status):
                 self._unprobeable.add(run.origin)
-                logger.warning(
-                    "%s closes connections after GET /health, so new connections cannot be probed; "
-                    "probing disabled for this origin",
-                    run.origin,
-                )
-            # Otherwise llama-server answers 503 with Connection: close while it loads a model: only this
-            # connection is lost. The server is reading new connections, so this request's next attempts go
-            # unprobed: the request itself then gets the server's answer (a 503 "Loading model", retried on
-            # its own terms, and handed to the caller if it lasts) instead of failing probe after probe.
-            run.server_reads_connections = True
             raise ProbeError(
                 f"{run.origin} answered GET /health with {answer.status} and closed the connection",
                 request=run.request,

@@ -1,4 +1,4 @@
-"""`install()` / `uninstall()`: guard the llama-server traffic of every httpx and httpx2 client in the process.
+"""`install()` / `uninstall()`: guard the llama-server traffic of every httpx, httpx2 and aiohttp client in the process.
 
 For code that creates its HTTP clients itself (the openai SDK, pydantic-ai, LangChain, ...). Opt-in: importing
 llama_guard patches nothing. `install()` wraps, with wrapt, the one method through which every pooled request of
@@ -16,10 +16,13 @@ For each request the wrapper decides:
 
 Without ``origins``, a server is guarded once it has identified itself (``Server: llama.cpp``): its first response
 goes through unguarded (its stream's connection is still dropped, as in ``origins="auto"``).
+
+aiohttp sessions get the guard's middleware at their first request while installed (``aiohttp_sessions.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import sys
@@ -34,8 +37,9 @@ from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import is_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
+from .aiohttp_sessions import InstalledSessions, session_request_method
 
-__all__ = ["Installation", "install", "installation", "uninstall"]
+__all__ = ["Installation", "install", "installation", "normalise_install_origins", "uninstall"]
 
 
 class _Target(NamedTuple):
@@ -95,6 +99,7 @@ class Installation:
         self._guard_policy = dataclasses.replace(policy, origins="auto" if origins == "auto" else "all")
         self._guards: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
+        self._sessions = InstalledSessions(self._guard_policy, self.stats, self._registry)
 
     def __repr__(self) -> str:
         origins = self.origins if isinstance(self.origins, str) else [str(origin) for origin in self.origins]
@@ -175,10 +180,13 @@ _STATE_LOCK = threading.RLock()
 _current: Installation | None = None
 _handles: dict[_Target, Any] = {}  # target -> the wrapt wrapper installed on its class
 _hooked_modules: set[str] = set()  # post-import hooks cannot be removed: register each once, let them check state
+_AIOHTTP = "aiohttp"
+_aiohttp_handle: tuple[type, str, Any] | None = None  # (class, method, wrapt wrapper) on aiohttp's sessions
 
 
 def install(*, origins: str | Sequence[str | Origin] | None = None, policy: GuardPolicy | None = None) -> Installation:
-    """Guard the llama-server traffic of every httpx and httpx2 client in this process; returns the `Installation`.
+    """Guard the llama-server traffic of every httpx, httpx2 and aiohttp client in this process; returns the
+    `Installation`.
 
     ``origins``: the llama-server origins to guard, e.g. ``["http://127.0.0.1:8080"]``; ``None`` or ``"auto"``
     (default): every server that identifies itself as llama.cpp. ``policy``: the guard's settings (a
@@ -196,18 +204,21 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
             "install() takes the origins to guard as its own argument: install(origins=[...]); "
             f"leave the policy's origins at their default (got policy origins {policy.origins!r})"
         )
-    setting = _normalise_install_origins(origins)
+    setting = normalise_install_origins(origins)
     with _STATE_LOCK:
         if _current is not None and _current.origins == setting and _current.policy == policy:
             return _current
+        if _current is not None:
+            _current._sessions.release()  # its sessions get the new settings at their next request
         _current = Installation(setting, policy)
-        for module in _MODULES:
+        for module in (*_MODULES, _AIOHTTP):
             if module not in _hooked_modules:
                 _hooked_modules.add(module)
                 wrapt.register_post_import_hook(_patch_module, module)  # runs now if already imported
         for target in _TARGETS:
             # A module imported while a previous installation was active is already patched; others wait.
             _patch_if_imported(target)
+        _patch_aiohttp_if_imported()
         return _current
 
 
@@ -216,9 +227,16 @@ def uninstall() -> None:
 
     Harmless when nothing is installed. Responses already being read keep the guard they started with.
     """
-    global _current
+    global _current, _aiohttp_handle
     with _STATE_LOCK:
+        if _current is not None:
+            _current._sessions.release()
         _current = None
+        if _aiohttp_handle is not None:
+            session_class, method, handle = _aiohttp_handle
+            with contextlib.suppress(wrapt.WrapperNotOutermostError):  # inert while nothing is installed
+                wrapt.unwrap_object(session_class, method, handle, missing_ok=True)
+                _aiohttp_handle = None
         for target, handle in list(_handles.items()):
             module = importlib.import_module(target.module)
             try:
@@ -235,7 +253,7 @@ def installation() -> Installation | None:
     return _current
 
 
-def _normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
+def normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
     if origins is None or origins == "auto":
         return "auto"
     if isinstance(origins, str):
@@ -252,11 +270,31 @@ def _normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
 
 
 def _patch_module(module: Any) -> None:
-    """Post-import hook of httpx/httpx2: patch its transports if an installation is active now."""
+    """Post-import hook of httpx/httpx2/aiohttp: patch them if an installation is active now."""
     with _STATE_LOCK:
         for target in _TARGETS:
             if target.module == module.__name__:
                 _patch_if_imported(target)
+        if module.__name__ == _AIOHTTP:
+            _patch_aiohttp_if_imported()
+
+
+def _patch_aiohttp_if_imported() -> None:
+    global _aiohttp_handle
+    if _current is None or _AIOHTTP not in sys.modules or _aiohttp_handle is not None:
+        return
+    target = session_request_method()
+    if target is not None:
+        session_class, method = target
+        _aiohttp_handle = (session_class, method, wrapt.wrap_function_wrapper(session_class, method, _aiohttp_wrapper))
+
+
+def _aiohttp_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A session's request is about to start (the coroutine is not created yet): the session gets the guard first."""
+    current = _current
+    if current is not None and instance is not None:
+        current._sessions.adopt(instance)
+    return wrapped(*args, **kwargs)
 
 
 def _patch_if_imported(target: _Target) -> None:

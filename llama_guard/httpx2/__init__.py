@@ -18,12 +18,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from .._core.errors import GuardError
 from .._core.policy import GuardPolicy
 from .._httpx2.async_transport import AsyncGuardTransport
+from .._httpx2.dual_transport import DualGuardTransport
 from .._httpx2.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from .._httpx2.sync_transport import GuardTransport
 from .._install.guard import guard
 
 __all__ = [
     "AsyncGuardTransport",
+    "DualGuardTransport",
     "FirstByteTimeout",
     "GuardError",
     "GuardPolicy",
@@ -33,6 +35,13 @@ __all__ = [
     "guard",
 ]
 
-for _name in ("AsyncGuardTransport", "FirstByteTimeout", "GuardTransport", "ProbeError", "ProbeTimeout"):
+for _name in (
+    "AsyncGuardTransport",
+    "DualGuardTransport",
+    "FirstByteTimeout",
+    "GuardTransport",
+    "ProbeError",
+    "ProbeTimeout",
+):
     globals()[_name].__module__ = "llama_guard.httpx2"
 del _name

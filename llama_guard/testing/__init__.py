@@ -9,6 +9,10 @@ behaviour of llama.cpp's ``llama-server`` (build b11434, cpp-httplib) that
 2. cpp-httplib's thread-pool idle-counter bug -- in a burst of keep-alive
    connections, the last ones wait unread until another connection closes;
 
+each in a timing-faithful form (a race, as on the real server) and a deterministic one for tests that must show
+the defect every time (``stream_close="on_reuse"``, ``stall_burst=K``, counted in
+``requests_dropped_after_stream`` and ``connections_stalled``);
+
 plus a one-shot fault injector (:class:`Fault`) for resets, stalls, garbage,
 truncated chunks, huge headers, 503/429, and server-side counters
 (:class:`EmulatorStats`) that show what the server really received and ran.

@@ -10,11 +10,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["MAX_TOKENS", "EmulatorConfig"]
+__all__ = ["MAX_TOKENS", "STREAM_CLOSE_MODES", "EmulatorConfig"]
 
 #: Upper bound on tokens generated for one request (``max_tokens``/``n_predict``
 #: are clamped to it) so a careless request cannot keep a slot busy for ever.
 MAX_TOKENS = 4096
+
+#: How the connection of a streamed response is closed (``stream_close``): ``"after_delay"`` closes it
+#: ``stream_close_delay`` seconds after the final chunk, as the real server does (at once) -- timing-faithful, so a
+#: client's loss is a race; ``"on_reuse"`` keeps it open until the next request's bytes arrive and then closes it
+#: unanswered -- every reuse after a stream is lost, whatever the load.
+STREAM_CLOSE_MODES = ("after_delay", "on_reuse")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -65,7 +71,9 @@ class EmulatorConfig:
     pool_bug: bool = True
     wakeup_latency: float = 0.005
     close_after_stream: bool = True
+    stream_close: str = "after_delay"
     stream_close_delay: float = 0.0
+    stall_burst: int | None = None
     parallel: int = 4
     token_interval: float = 0.0
     n_tokens: int = 8
@@ -84,7 +92,29 @@ class EmulatorConfig:
         _check_bool("pool_bug", self.pool_bug)
         _check_float("wakeup_latency", self.wakeup_latency, 0.0, 1.0)
         _check_bool("close_after_stream", self.close_after_stream)
+        if self.stream_close not in STREAM_CLOSE_MODES:
+            raise ValueError(
+                f"stream_close must be one of {', '.join(map(repr, STREAM_CLOSE_MODES))}, got {self.stream_close!r}"
+            )
         _check_float("stream_close_delay", self.stream_close_delay, 0.0, 10.0)
+        if self.stream_close == "on_reuse":
+            if not self.close_after_stream:
+                raise ValueError("stream_close='on_reuse' needs close_after_stream=True (it is how streams are closed)")
+            if self.stream_close_delay:
+                raise ValueError(
+                    f"stream_close_delay applies to stream_close='after_delay' only; got {self.stream_close_delay} "
+                    "with stream_close='on_reuse'"
+                )
+        if self.stall_burst is not None:
+            low = self.http_threads + 1
+            value = self.stall_burst
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 4096:
+                raise ValueError(
+                    f"stall_burst must be None or an int in [{low}, 4096] (more than http_threads={self.http_threads}: "
+                    f"connections {low}..stall_burst of a burst stall), got {value!r}"
+                )
+            if not self.pool_bug:
+                raise ValueError("stall_burst is the deterministic form of the pool bug: it needs pool_bug=True")
         _check_int("parallel", self.parallel, 1, 256)
         _check_float("token_interval", self.token_interval, 0.0, 10.0)
         _check_int("n_tokens", self.n_tokens, 0, MAX_TOKENS)

@@ -9,11 +9,13 @@ on cpp-httplib; the facts about b11434 come from measurements):
 * **Thread pool** (``ThreadPool``, see :mod:`._httplib_pool`): ``http_threads``
   base threads, dynamic ones up to ``max_http_threads``, the idle-counter bug of
   builds before b11737 when ``pool_bug=True`` (defect 2).  A thread owns a
-  connection for its whole keep-alive life.
+  connection for its whole keep-alive life.  ``stall_burst`` replaces the
+  race with a deterministic gate in front of the pool (see :mod:`._stall_gate`).
 * **Keep-alive loop** (``process_server_socket_core``, see :mod:`._handler`):
   ``keepalive_max`` requests per connection, ``keepalive_timeout`` idle wait,
   ``Keep-Alive: timeout=5, max=100`` announced -- also on streams, which are
-  then closed right after ``0\\r\\n\\r\\n`` (defect 1, ``close_after_stream``).
+  then closed right after ``0\\r\\n\\r\\n`` (defect 1, ``close_after_stream``;
+  ``stream_close="on_reuse"`` instead closes when the next request arrives).
 * **Slots** (``--parallel``, see :mod:`._slots`): a completion waits, silent,
   for a free slot; streamed heads go out with the first token, non-streamed
   answers once generation is over.
@@ -47,6 +49,7 @@ from ._faults import Fault, FaultInjector, FaultRule
 from ._handler import ServerContext, serve_connection
 from ._httplib_pool import HttplibThreadPool
 from ._slots import SlotPool
+from ._stall_gate import StallGate
 from ._stats import ConnectionWait, EmulatorStats, LiveView, StatsRecorder
 from ._wire import Wire, pending_bytes, reset_socket
 
@@ -81,13 +84,14 @@ class _Parked(NamedTuple):
 class _QueuedConnection:
     """A pool job: one accepted socket waiting for (then run by) a pool thread."""
 
-    __slots__ = ("accepted_at", "conn_id", "emulator", "sock")
+    __slots__ = ("accepted_at", "conn_id", "emulator", "gated", "sock")
 
     def __init__(self, emulator: LlamaServerEmulator, conn_id: int, sock: socket.socket) -> None:
         self.emulator = emulator
         self.conn_id = conn_id
         self.sock = sock
         self.accepted_at = time.monotonic()
+        self.gated = False  # admitted by the stall_burst gate, which must hear when it ends
 
     def __call__(self) -> None:
         self.emulator._run_connection(self)
@@ -112,11 +116,28 @@ class LlamaServerEmulator:
         Seconds a notified pool thread needs to run (and a new dynamic thread
         to start); the window in which the bug's idle counter is wrong.
         Connect bursts shorter than this stall deterministically.
-    ``close_after_stream``/``stream_close_delay``
-        Close after every streamed response despite ``Keep-Alive`` (defect 1),
-        after waiting ``stream_close_delay`` seconds past the final chunk -- a
-        small delay (5-50 ms) lets a pooled client reuse the connection first,
-        which is how the lie hurts on loopback.
+    ``close_after_stream``/``stream_close``/``stream_close_delay``
+        Close after every streamed response despite ``Keep-Alive`` (defect 1).
+        ``stream_close="after_delay"`` (the default, timing-faithful) closes
+        ``stream_close_delay`` seconds past the final chunk -- a small delay
+        (5-50 ms) lets a pooled client reuse the connection first, which is how
+        the lie hurts on loopback, but whether it does is a race.
+        ``stream_close="on_reuse"`` (deterministic) sends no FIN: the
+        connection stays open until the client's next request arrives on it,
+        which is then closed unread and unanswered (counted in
+        ``EmulatorStats.requests_dropped_after_stream``) -- every reuse after a
+        stream is lost, whatever the load.  The keep-alive timeout, or the
+        client closing first, still ends it quietly.
+    ``stall_burst``
+        The pool bug made deterministic (needs ``pool_bug=True``; the pool
+        itself then spawns threads correctly).  A burst begins when a
+        connection is accepted while none of the previous burst's is open; of
+        its first ``stall_burst`` connections the first ``http_threads`` are
+        served and the rest stalled, their first request unread, until a
+        served connection closes (the oldest stalled one is then served) or
+        :meth:`release_stalled` is called.  Later connections are served at
+        once, as cpp-httplib spawns a dynamic thread when none is idle.  None
+        (the default) leaves the stall to the timing-faithful race.
     ``parallel``/``token_interval``/``n_tokens``
         Slots, seconds per generated token, default tokens per completion
         (``max_tokens``/``n_predict`` in the request win, capped at 4096).
@@ -140,7 +161,9 @@ class LlamaServerEmulator:
         pool_bug: bool = True,
         wakeup_latency: float = 0.005,
         close_after_stream: bool = True,
+        stream_close: str = "after_delay",
         stream_close_delay: float = 0.0,
+        stall_burst: int | None = None,
         parallel: int = 4,
         token_interval: float = 0.0,
         n_tokens: int = 8,
@@ -159,7 +182,9 @@ class LlamaServerEmulator:
             pool_bug=pool_bug,
             wakeup_latency=wakeup_latency,
             close_after_stream=close_after_stream,
+            stream_close=stream_close,
             stream_close_delay=stream_close_delay,
+            stall_burst=stall_burst,
             parallel=parallel,
             token_interval=token_interval,
             n_tokens=n_tokens,
@@ -197,6 +222,10 @@ class LlamaServerEmulator:
         self._active: dict[int, Wire] = {}
         # Connections held unread by a fault on accept; changed by the accept thread only, under _conn_lock.
         self._parked: dict[int, _Parked] = {}
+        # stall_burst: which connections of a burst wait; used under _conn_lock.
+        self._gate: StallGate[_QueuedConnection] | None = None
+        if self._config.stall_burst is not None:
+            self._gate = StallGate(served_first=self._config.http_threads, burst=self._config.stall_burst)
         self._stragglers: list[threading.Thread] = []
         self._ctx = ServerContext(
             config=self._config,
@@ -260,7 +289,8 @@ class LlamaServerEmulator:
             self._pool = HttplibThreadPool(
                 base_threads=self._config.http_threads,
                 max_threads=self._config.max_http_threads,
-                idle_counter_bug=self._config.pool_bug,
+                # With stall_burst the gate stalls deterministically; the pool must not add stalls of its own.
+                idle_counter_bug=self._config.pool_bug and self._gate is None,
                 wakeup_latency=self._config.wakeup_latency,
                 stop_event=self._stop_event,
                 name=f"llama-http-{self._port}",
@@ -393,6 +423,25 @@ class LlamaServerEmulator:
     def pending_faults(self) -> list[FaultRule]:
         return self._faults.pending()
 
+    def release_stalled(self, count: int | None = None) -> int:
+        """``stall_burst``: serve the ``count`` oldest stalled connections (all for None); return how many.
+
+        Their requests, unread so far, are read and answered as a pool thread
+        would.  Counted in ``EmulatorStats.stalled_released_by_call``.
+        """
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise ValueError(f"count must be None or an int >= 0, got {count!r}")
+        if self._gate is None:
+            raise RuntimeError("release_stalled() needs an emulator started with stall_burst=...")
+        if self._stop_event.is_set():
+            return 0
+        with self._conn_lock:
+            jobs = self._gate.release(count)
+        for job in jobs:
+            self._stats.stalled_released(by_call=True)
+            self._enqueue(job)
+        return len(jobs)
+
     def held_connections(self) -> list[HeldConnection]:
         """Connections that ``NEVER_ANSWER_ACCEPT`` or ``READ_LATE`` holds unread now, oldest first.
 
@@ -446,6 +495,8 @@ class LlamaServerEmulator:
             queued = list(self._queued.values())
             unread = sum(1 for job in queued if pending_bytes(job.sock) > 0)
             oldest = max((now - job.accepted_at for job in queued), default=0.0)
+            stalled = [] if self._gate is None else self._gate.stalled()
+            stalled_unread = sum(1 for job in stalled if pending_bytes(job.sock) > 0)
         pool = self._pool.counters() if self._pool is not None else None
         return LiveView(
             queued=len(queued),
@@ -456,6 +507,8 @@ class LlamaServerEmulator:
             pool_peak_threads=0 if pool is None else pool.peak_threads,
             slots_busy=self._slots.busy(),
             slots_waiting=self._slots.waiting(),
+            stalled_now=len(stalled),
+            stalled_unread=stalled_unread,
         )
 
     # -- accept loop (its own thread) ---------------------------------------------------------
@@ -516,7 +569,24 @@ class LlamaServerEmulator:
             with self._conn_lock:
                 self._parked[conn_id] = _Parked(sock, rule.fault, deadline, now)
             return
-        self._enqueue(_QueuedConnection(self, conn_id, sock))
+        self._admit(_QueuedConnection(self, conn_id, sock))
+
+    def _admit(self, job: _QueuedConnection) -> None:
+        """Through the stall_burst gate, if any, to the pool."""
+        if self._gate is None:
+            self._enqueue(job)
+            return
+        job.gated = True
+        with self._conn_lock:
+            serve, began = self._gate.admit(job)
+            if not serve:
+                self._queued[job.conn_id] = job  # waiting for a thread, as far as stats and stop() are concerned
+        if began:
+            self._stats.stall_burst_begun()
+        if serve:
+            self._enqueue(job)
+        else:
+            self._stats.connection_stalled()
 
     def _enqueue(self, job: _QueuedConnection) -> None:
         """Hand an accepted connection to the pool (which may leave it waiting, unread)."""
@@ -525,9 +595,10 @@ class LlamaServerEmulator:
         assert self._pool is not None
         if not self._pool.enqueue(job):
             with self._conn_lock:
-                self._queued.pop(job.conn_id, None)
+                mine = self._queued.pop(job.conn_id, None) is not None  # else stop() closed and counted it
                 job.sock.close()
-            self._stats.connection_closed()
+            if mine:
+                self._stats.connection_closed()
 
     def _park_timeout(self) -> float | None:
         with self._conn_lock:
@@ -585,8 +656,13 @@ class LlamaServerEmulator:
             with self._conn_lock:
                 self._active.pop(job.conn_id, None)
                 wire.close()
+                freed_for = self._gate.finished() if job.gated and self._gate is not None else None
             self._stats.connection_active(-1)
             self._stats.connection_closed()
+            if freed_for is not None and not self._stop_event.is_set():
+                # This thread is free again: it takes the oldest stalled connection, as cpp-httplib's worker does.
+                self._stats.stalled_released(by_call=False)
+                self._enqueue(freed_for)
 
     def _abandon_queued(self) -> None:
         now = time.monotonic()
@@ -610,4 +686,10 @@ class LlamaServerEmulator:
 
     def __repr__(self) -> str:
         where = f" {self.url}" if self._state != "new" else ""
-        return f"<LlamaServerEmulator {self._state}{where} pool_bug={self._config.pool_bug}>"
+        cfg = self._config
+        modes = f" pool_bug={cfg.pool_bug}"
+        if cfg.stall_burst is not None:
+            modes += f" stall_burst={cfg.stall_burst}"
+        if cfg.close_after_stream and cfg.stream_close != "after_delay":
+            modes += f" stream_close={cfg.stream_close!r}"
+        return f"<LlamaServerEmulator {self._state}{where}{modes}>"

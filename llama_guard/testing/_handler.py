@@ -7,7 +7,9 @@ failure.  A streamed completion always "fails" in b11434: llama-server's
 chunked content provider returns ``false`` after ``sink.done()``, which
 cpp-httplib treats as a cancelled write -- so the connection is closed right
 after the terminating ``0\\r\\n\\r\\n`` although the head promised
-``Keep-Alive: timeout=5, max=100`` (defect 1).
+``Keep-Alive: timeout=5, max=100`` (defect 1).  With ``stream_close="on_reuse"``
+the emulator makes that loss deterministic: it sends no FIN, waits for the
+client's next request on the connection, reads it, and closes unanswered.
 
 Requests are parsed with h11 (one ``h11.Connection`` per request, so h11's own
 keep-alive rules never interfere with cpp-httplib's); responses are written as
@@ -541,8 +543,42 @@ class _Router:
         # closes the socket right away, whatever the head announced.
         if self.responder.announced_keep_alive:
             self.ctx.stats.stream_closed_after_done()
+            if self.ctx.config.stream_close == "on_reuse":
+                self._give_up_on_reuse()
+                return False
         self.wire.sleep(self.ctx.config.stream_close_delay)
         return False
+
+    def _give_up_on_reuse(self) -> None:
+        """``stream_close="on_reuse"``: keep the given-up connection open (no FIN) until the client writes its next
+        request on it, then close it unread -- what a client that reused it sees on the real server, whatever the
+        timing. The keep-alive timeout, or the client closing first, ends it quietly."""
+        if not self.wire.wait_readable(self.ctx.config.keepalive_timeout):
+            return
+        if self.wire.peer_closed():
+            return
+        self.ctx.stats.request_dropped_after_stream()
+        # Read the whole request (and throw it away) before closing: the close is then a FIN with nothing unread,
+        # so the client has written all of it and sees "disconnected without a response", never a half-written
+        # body (which some clients report differently, e.g. trio's unfinished body generator).
+        _discard_request(self.wire)
+
+
+def _discard_request(wire: Wire) -> None:
+    """Read one request to its end (or to EOF / a framing error) without serving it."""
+    parser = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+    try:
+        while True:
+            event = parser.next_event()
+            if event is h11.NEED_DATA:
+                data = wire.recv()
+                parser.receive_data(data)
+                if not data:
+                    return
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                return
+    except h11.RemoteProtocolError:
+        return
 
 
 _ROUTES: dict[tuple[str, str], Callable[[_Router], bool]] = {

@@ -31,51 +31,67 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from ._cpu_load import pin_process
+
 __all__ = [
     "LLAMA_SERVER_BUILD",
+    "LLAMA_SERVER_FIXED_BUILD_INFO",
     "RealLlamaServer",
     "RealServerError",
     "find_llama_server",
     "free_port",
     "llama_server_cache_dir",
+    "llama_server_env_var",
 ]
 
 #: The llama.cpp build the tests are written against (its cpp-httplib is 0.59.0).
 LLAMA_SERVER_BUILD = "b11434"
+#: What ``/props`` says for the same build with cpp-httplib's thread-pool fix applied
+#: (``scripts/get_llama_server.py --fixed-pool``); doctor reads it as a fixed pool.
+LLAMA_SERVER_FIXED_BUILD_INFO = f"{LLAMA_SERVER_BUILD}-fixedpool"
 
 
-def llama_server_cache_dir() -> Path:
+def llama_server_cache_dir(*, fixed_pool: bool = False) -> Path:
     """The folder ``scripts/get_llama_server.py`` builds into (keep the two in sync).
 
-    ``${LLAMA_GUARD_CACHE:-~/.cache/llama_guard}/llama-server-b11434``: outside the
-    work tree, so a clean checkout or ``git clean`` never costs a 6-minute rebuild.
+    ``${LLAMA_GUARD_CACHE:-~/.cache/llama_guard}/llama-server-b11434`` (``-fixedpool``
+    appended for the build with the thread-pool fix): outside the work tree, so a
+    clean checkout or ``git clean`` never costs a rebuild.
     """
     base = os.environ.get("LLAMA_GUARD_CACHE") or str(Path.home() / ".cache" / "llama_guard")
-    return Path(base).expanduser() / f"llama-server-{LLAMA_SERVER_BUILD}"
+    name = LLAMA_SERVER_FIXED_BUILD_INFO if fixed_pool else LLAMA_SERVER_BUILD
+    return Path(base).expanduser() / f"llama-server-{name}"
+
+
+def llama_server_env_var(*, fixed_pool: bool = False) -> str:
+    """The environment variable that names a binary to use instead of the cache."""
+    return "LLAMA_SERVER_FIXED_BIN" if fixed_pool else "LLAMA_SERVER_BIN"
 
 
 def _executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def find_llama_server() -> Path | None:
+def find_llama_server(*, fixed_pool: bool = False) -> Path | None:
     """The llama-server binary to test against, or None when there is none.
 
     ``LLAMA_SERVER_BIN`` if it names an executable file, else the binary that
-    ``scripts/get_llama_server.py`` left in the cache. It does not build
+    ``scripts/get_llama_server.py`` left in the cache. With ``fixed_pool``: the
+    same build with cpp-httplib's thread-pool fix (``LLAMA_SERVER_FIXED_BIN``,
+    or what ``get_llama_server.py --fixed-pool`` cached). It does not build
     anything (that takes minutes; run the script for it) and does not run the
     binary.
     """
-    env_bin = os.environ.get("LLAMA_SERVER_BIN")
+    env_bin = os.environ.get(llama_server_env_var(fixed_pool=fixed_pool))
     if env_bin:
         path = Path(env_bin).expanduser()
         return path.resolve() if _executable(path) else None
-    cached = llama_server_cache_dir() / "bin" / "llama-server"
+    cached = llama_server_cache_dir(fixed_pool=fixed_pool) / "bin" / "llama-server"
     return cached if _executable(cached) else None
 
 
@@ -120,7 +136,10 @@ class RealLlamaServer:
     by the slots), ``metrics`` (``--metrics``, Prometheus text at
     ``/metrics``), ``threads`` (``--threads``, compute threads; 1 is plenty for
     the tiny model and leaves the CPU to the test), ``extra_args`` appended
-    verbatim.
+    verbatim. ``cpus``: pin every thread of the server to these CPUs (e.g. one
+    core that a :class:`~llama_guard.testing._cpu_load.CpuHogs` shares);
+    ``batch_scheduling``: and run them as ``SCHED_BATCH`` (see
+    :func:`~llama_guard.testing._cpu_load.pin_process`).
     """
 
     def __init__(
@@ -134,6 +153,8 @@ class RealLlamaServer:
         metrics: bool = False,
         threads: int | None = 1,
         extra_args: Sequence[str] = (),
+        cpus: Iterable[int] | None = None,
+        batch_scheduling: bool = False,
         host: str = "127.0.0.1",
         port: int | None = None,
         log_path: str | os.PathLike[str] | None = None,
@@ -157,6 +178,10 @@ class RealLlamaServer:
         self.metrics_enabled = metrics
         self.threads = threads
         self.extra_args = tuple(extra_args)
+        self.cpus: frozenset[int] | None = None if cpus is None else frozenset(cpus)
+        if batch_scheduling and self.cpus is None:
+            raise ValueError("batch_scheduling needs cpus (the CPUs whose other work the server must not preempt)")
+        self.batch_scheduling = batch_scheduling
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self._own_log = log_path is None
@@ -202,7 +227,9 @@ class RealLlamaServer:
                 self.port = free_port(self.host)
             self._launch()
             try:
+                self._pin()
                 self._wait_healthy()
+                self._pin()  # again: threads started while the first pass ran
                 return self
             except RealServerError:
                 exited = self._proc is not None and self._proc.poll() is not None
@@ -236,6 +263,10 @@ class RealLlamaServer:
             # pytest's fixtures stop the server in order.
             start_new_session=True,
         )
+
+    def _pin(self) -> None:
+        if self.cpus is not None and self._proc is not None and self._proc.poll() is None:
+            pin_process(self._proc.pid, self.cpus, batch=self.batch_scheduling)
 
     def _wait_healthy(self) -> None:
         assert self._proc is not None

@@ -66,6 +66,21 @@ class EmulatorStats:
     slots_busy: int
     slots_waiting: int
     errors: tuple[str, ...] = ()
+    #: ``stream_close="on_reuse"``: requests that arrived on a connection the server had given up after a stream,
+    #: and were dropped unread and unanswered (the connection closed under them). Not in ``requests``.
+    requests_dropped_after_stream: int = 0
+    #: ``stall_burst``: bursts begun (a connection accepted while none of the previous burst's was open).
+    stall_bursts: int = 0
+    #: ``stall_burst``: connections whose first request was left unread, in all.
+    connections_stalled: int = 0
+    #: ``stall_burst``: stalled connections let go by :meth:`LlamaServerEmulator.release_stalled`.
+    stalled_released_by_call: int = 0
+    #: ``stall_burst``: stalled connections served because a served connection of the server closed (a pool
+    #: thread became free and took the oldest waiting job).
+    stalled_released_by_close: int = 0
+    #: ``stall_burst`` (live): connections held stalled now, and how many of them hold unread bytes.
+    connections_stalled_now: int = 0
+    connections_stalled_unread: int = 0
 
     @property
     def total_requests(self) -> int:
@@ -109,6 +124,11 @@ class _Counters:
     connections_closed: int = 0
     connections_active: int = 0
     streams_closed_after_done: int = 0
+    requests_dropped_after_stream: int = 0
+    stall_bursts: int = 0
+    connections_stalled: int = 0
+    stalled_released_by_call: int = 0
+    stalled_released_by_close: int = 0
     waits: list[ConnectionWait] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -125,6 +145,8 @@ class LiveView:
     pool_peak_threads: int = 0
     slots_busy: int = 0
     slots_waiting: int = 0
+    stalled_now: int = 0
+    stalled_unread: int = 0
 
 
 class StatsRecorder:
@@ -186,6 +208,18 @@ class StatsRecorder:
     def stream_closed_after_done(self) -> None:
         self._bump("streams_closed_after_done")
 
+    def request_dropped_after_stream(self) -> None:
+        self._bump("requests_dropped_after_stream")
+
+    def stall_burst_begun(self) -> None:
+        self._bump("stall_bursts")
+
+    def connection_stalled(self) -> None:
+        self._bump("connections_stalled")
+
+    def stalled_released(self, *, by_call: bool) -> None:
+        self._bump("stalled_released_by_call" if by_call else "stalled_released_by_close")
+
     def reset(self) -> None:
         """Zero every counter except ``connections_active`` (a live gauge)."""
         with self.changed:
@@ -224,4 +258,11 @@ class StatsRecorder:
                 slots_busy=live.slots_busy,
                 slots_waiting=live.slots_waiting,
                 errors=tuple(c.errors),
+                requests_dropped_after_stream=c.requests_dropped_after_stream,
+                stall_bursts=c.stall_bursts,
+                connections_stalled=c.connections_stalled,
+                stalled_released_by_call=c.stalled_released_by_call,
+                stalled_released_by_close=c.stalled_released_by_close,
+                connections_stalled_now=live.stalled_now,
+                connections_stalled_unread=live.stalled_unread,
             )

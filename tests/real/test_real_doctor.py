@@ -7,18 +7,25 @@ be told by behaviour (``--burst``), which is exactly the case doctor must handle
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from llama_guard._cli.doctor.checks import STREAM_CLOSE_WAIT
 from llama_guard._cli.doctor.command import DoctorOptions, run_doctor
 from llama_guard._cli.llama_build import has_pool_defect
+from llama_guard.testing._real_server import LLAMA_SERVER_FIXED_BUILD_INFO
 
 from ..test_watch import watcher
-from ._burst import BurstResult, run_burst
+from ._burst import STALL_SERVER, BurstResult, run_burst, stall_load, until_stalled
 
 pytestmark = pytest.mark.real_server
 
@@ -41,7 +48,8 @@ def test_doctor_finds_the_stream_defect(real_server):
     stream = document["checks"]["stream"]
     assert stream["keep_alive_header"] == "timeout=5, max=100"
     assert stream["after"] == "eof"
-    assert stream["closed_after"] < 0.5  # measured: microseconds
+    # Measured: microseconds after the last byte; the bound is doctor's own wait, whatever the machine's load.
+    assert stream["closed_after"] <= STREAM_CLOSE_WAIT
     assert findings["nonstream-keepalive"]["status"] == "not_affected", findings["nonstream-keepalive"]
     assert document["load"]["guard"]["errors"] == 0, document["load"]
     server_info = document["server"]
@@ -57,48 +65,98 @@ def test_doctor_finds_the_stream_defect(real_server):
 
 @pytest.mark.slow
 def test_doctor_burst_finds_the_pool_defect(real_server):
-    """32 connections at once against --threads-http 4. The defect is a race: about 1 fresh server in 5 shows
-    no stall in doctor's 3 bursts (then, with the build unknown, doctor says "could not tell"); up to 4 fresh
-    servers are tried before failing."""
-    for _ in range(4):
-        server = real_server(threads_http=4)
-        code, document, _ = _doctor(server.url, requests=0, burst=32)
+    """32 connections at once against --threads-http 4, in the conditions that make the pool stall
+    (``_burst.stall_load``). A fresh server is tried again only if doctor's bursts found no stall (then, with the
+    build unknown, doctor says "could not tell"), at most STALL_TRIES, and the output says how often."""
+
+    def doctor(_: int) -> tuple[int, dict]:
+        server = real_server(**STALL_SERVER)
+        with stall_load():
+            code, document, _ = _doctor(server.url, requests=0, burst=32)
         server.stop()
         finding = _findings(document)["unread-first-request"]
-        if finding["status"] == "affected":
-            break
-        assert finding["status"] == "could_not_tell", finding  # a clean burst never clears b0-unknown
+        print(f"doctor: {finding['status']}: {finding['evidence'][:1]}")
+        assert finding["status"] in ("affected", "could_not_tell"), finding  # a clean burst never clears b0-unknown
+        return code, finding
+
+    code, finding = until_stalled(doctor, lambda result: result[1]["status"] == "affected")[-1]
     assert finding["status"] == "affected", finding
     assert re.match(r"\d+ of 32 connections opened at once got no answer to GET /health", finding["evidence"][0])
     assert code == 1
 
 
+WATCH_SECONDS = 9
+
+
 def _burst_into(address: tuple[str, int], result: list[BurstResult]) -> None:
     # 12 s: the served connections stay busy (so their threads stay taken) past watch's 5 s threshold.
-    result.append(run_burst(address, duration=12.0, stop_when_all_served=True))
+    with stall_load():
+        result.append(run_burst(address, duration=12.0, stop_when_all_served=True))
 
 
 @pytest.mark.slow
 def test_watch_catches_stalled_connections_of_the_real_server(real_server):
-    """A burst of 32 against --threads-http 4, the served connections kept busy (as a client pool in use keeps
-    them): watch, started alongside, must report the connections left unread within 10 s, and exit 1."""
-    for _ in range(4):  # about 1 fresh server in 5 leaves no connection unread (see above)
-        server = real_server(threads_http=4)
+    """A burst of 32 against --threads-http 4 in the conditions that make the pool stall, the served connections
+    kept busy (as a client pool in use keeps them): watch, started alongside, must report the connections left
+    unread while it watches, and exit 1. A fresh server is tried again only if no connection stalled (at most
+    STALL_TRIES, reported)."""
+
+    def watched(_: int) -> tuple[Any, list[BurstResult], int | None, int]:
+        server = real_server(**STALL_SERVER)
         result: list[BurstResult] = []
         burst = threading.Thread(target=_burst_into, args=(server.address, result), daemon=True)
-        with watcher("--pid", str(server.pid), "--watch", "9") as running:
+        code = None
+        with watcher("--pid", str(server.pid), "--watch", str(WATCH_SECONDS)) as running:
             burst.start()
-            burst.join(timeout=30)
-            if result and result[0].stalled:
-                code = running.finish(timeout=20)
-                break
-            # every connection was served: no stall to find; the next fresh server
+            burst.join(timeout=60)
+            assert not burst.is_alive(), "the burst did not end"
+            if result[0].stalled:
+                code = running.finish(timeout=30)
         server.stop()
-    else:
-        pytest.fail("no burst of 4 fresh servers left a connection unread; the pool defect may be fixed here")
-    pattern = rf"STALLED 127\.0\.0\.1:{server.port}<-127\.0\.0\.1:\d+: request unread for [56] s"
+        print(f"burst beside watch: {result[0].summary()}")
+        return running, result, code, server.port
+
+    running, result, code, port = until_stalled(watched, lambda outcome: bool(outcome[1][0].stalled))[-1]
+    assert result[0].stalled, "no burst of fresh servers left a connection unread; the pool defect may be fixed here"
+    # watch reports a connection once its request has waited its 5 s threshold (more if watch itself was slowed).
+    pattern = rf"STALLED 127\.0\.0\.1:{port}<-127\.0\.0\.1:\d+: request unread for \d+ s"
     stalled = [(at - running.watching_since, line) for at, line in running.lines if re.fullmatch(pattern, line)]
     assert stalled, running.lines
     assert len(stalled) <= len(result[0].stalled), (running.lines, result[0].summary())
-    assert all(at < 10.0 for at, _ in stalled), stalled
+    assert all(int(line.rsplit(" ", 2)[1]) >= 5 for _, line in stalled), stalled
     assert code == 1
+
+
+@contextlib.contextmanager
+def _cpu_hogs(count: int) -> Iterator[None]:
+    """Busy processes beside the server: without them this 2-core machine's b11434 rarely stalls (issue 12), so
+    a clean burst would not show that the pool is fixed. (The real-controls branch adds
+    ``llama_guard.testing._cpu_load.CpuHogs`` for this.)"""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_doctor_clears_the_fixed_pool_build(real_server, llama_server_fixed_bin):
+    """b11434 with cpp-httplib's thread-pool fix (``get_llama_server.py --fixed-pool``) reports
+    ``b11434-fixedpool``: doctor's burst of 32 (with busy cores, which stall the broken pool in most runs) finds
+    every first request read, so the pool defect is "not affected"; the stream defect is another bug and stays."""
+    server = real_server(binary=llama_server_fixed_bin, threads_http=4)
+    with _cpu_hogs(2):
+        code, document, _ = _doctor(server.url, requests=0, burst=32)
+    assert document["server"]["build_info"] == LLAMA_SERVER_FIXED_BUILD_INFO
+    assert document["server"]["build_has_pool_defect"] is False
+    findings = _findings(document)
+    pool = findings["unread-first-request"]
+    assert pool["status"] == "not_affected", pool
+    assert any("all 32 connections of 3 burst(s) answered GET /health" in line for line in pool["evidence"]), pool
+    assert findings["stream-close"]["status"] == "affected", findings["stream-close"]
+    assert code == 1  # the stream defect

@@ -92,9 +92,11 @@ def test_real_server_stops_generating_when_the_client_leaves(real_server, start_
             chunks = response.iter_raw()  # kept: a discarded iterator would close the response at once
             assert next(chunks).startswith(b"data: ")
             left = time.monotonic()
-    deadline = left + 5.0
+    # Long enough for the whole completion even on a loaded machine: the token count below, not this deadline,
+    # tells whether the server stopped early.
+    deadline = left + 120.0
     while server.metrics()["requests_processing"] != 0:
-        assert time.monotonic() < deadline, "llama-server still generating 5 s after the client left"
+        assert time.monotonic() < deadline, "llama-server still generating 120 s after the client left"
         time.sleep(0.05)
     stopped_after = time.monotonic() - left
     generated = settled_tokens(server) - before

@@ -41,7 +41,7 @@ def test_starts_healthy_and_stops_cleanly(real_server):
     server = real_server()
     assert server.running
     assert server.startup_seconds is not None
-    assert server.startup_seconds < 30
+    assert 0 < server.startup_seconds <= server.startup_timeout
     status, headers, body = server.get("/health")
     assert (status, body) == (200, b'{"status":"ok"}')
     assert ("Server", "llama.cpp") in headers
@@ -92,7 +92,7 @@ def test_metrics_and_log_count_each_completion_once(real_server):
     metrics = server.metrics()
     assert metrics["tokens_predicted_total"] == 5 * MAX_TOKENS, metrics
     assert metrics["requests_processing"] == 0
-    assert wait_for(lambda: server.log_text().count("stop processing") == 5), server.log_tail()
+    assert wait_for(lambda: server.log_text().count("stop processing") == 5, timeout=30), server.log_tail()
     log = server.log_text()
     assert log.count("processing task") == 5
     assert "/health" not in log  # requests themselves are not logged

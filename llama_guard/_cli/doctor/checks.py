@@ -15,6 +15,7 @@ import json
 import socket
 import time
 from dataclasses import replace
+from typing import TextIO
 
 import httpx
 
@@ -23,7 +24,7 @@ from ..._httpx.sync_transport import GuardTransport
 from ...testing._burst import open_burst
 from ..llama_build import build_number
 from ..load import LoadRow, proxy_load
-from .model import BurstCheck, BurstRound, DoctorError, Identity, KeepAliveCheck, Target
+from .model import BurstCheck, BurstRound, DoctorError, Identity, KeepAliveCheck, Target, base_candidates
 from .wire import RawConnection, RawResponse, WireError, connect, read_first_bytes
 
 __all__ = [
@@ -31,7 +32,7 @@ __all__ = [
     "LOAD_CONNECTIONS",
     "LOAD_WORKERS",
     "burst_check",
-    "identify",
+    "locate",
     "keepalive_check",
     "load_check",
 ]
@@ -121,38 +122,51 @@ def _get(target: Target, path: str, timeout: float, api_key: str | None) -> RawR
         raise DoctorError(describe_error(exc, target, what, timeout)) from None
 
 
-def identify(target: Target, timeout: float, api_key: str | None) -> Identity:
-    """Who is there: llama-server, healthy, and its build. DoctorError when it cannot be examined."""
-    health = _get(target, "/health", timeout, api_key)
-    server = health.header("Server")
-    props = _get(target, "/props", timeout, api_key)
-    if props.status in (401, 403):
-        raise DoctorError(
-            f"{target.url} wants an API key (GET /props answered {props.status}); "
-            "pass --api-key KEY or set LLAMA_API_KEY"
-        )
+def _props_document(props: RawResponse) -> dict[str, object]:
     document: object = None
     if props.status == 200:
         with contextlib.suppress(ValueError):
             document = json.loads(props.body)
-    info = document if isinstance(document, dict) else {}
-    llama_props = "build_info" in info or "default_generation_settings" in info
-    if not (llama_props or (server or "").lower().startswith("llama.cpp")):
-        raise DoctorError(
-            f"{target.url} does not look like llama-server: GET /health answered {health.status}, GET /props "
-            f"answered {props.status} without llama-server's fields, and the Server header is "
-            f"{server!r}, not 'llama.cpp'"
+    return document if isinstance(document, dict) else {}
+
+
+def locate(target: Target, timeout: float, api_key: str | None) -> tuple[Target, Identity]:
+    """Find llama-server behind the URL given: ``GET /health`` and ``GET /props`` under its path, then under each
+    shorter prefix down to the root (a ``/v1`` base URL is the root's). The base found, and who is there;
+    DoctorError when it cannot be examined, naming every path tried."""
+    tried: list[str] = []
+    for candidate in base_candidates(target):
+        health = _get(candidate, "/health", timeout, api_key)
+        server = health.header("Server")
+        is_llama_header = (server or "").lower().startswith("llama.cpp")
+        if health.status == 503 and is_llama_header:
+            message = _server_message(health) or "unavailable"
+            raise DoctorError(
+                f"{candidate.url} is not ready (GET {candidate.path('/health')} answered 503: {message}); "
+                "run doctor again once it answers 200"
+            )
+        props = _get(candidate, "/props", timeout, api_key)
+        if props.status in (401, 403) and (is_llama_header or health.status == 200):
+            raise DoctorError(
+                f"{candidate.url} wants an API key (GET {candidate.path('/props')} answered {props.status}); "
+                "pass --api-key KEY or set LLAMA_API_KEY"
+            )
+        info = _props_document(props)
+        llama_props = "build_info" in info or "default_generation_settings" in info
+        if health.status == 200 and (llama_props or (is_llama_header and props.status == 200)):
+            return candidate, _identity(server, info)
+        tried.append(
+            f"GET {candidate.path('/health')} answered {health.status}, GET {candidate.path('/props')} answered "
+            f"{props.status}{' with llama-server fields' if llama_props else ''}"
         )
-    if health.status == 503:
-        message = _server_message(health) or "unavailable"
-        raise DoctorError(
-            f"{target.url} is not ready (GET /health answered 503: {message}); run doctor again once it answers 200"
-        )
-    if health.status == 404:
-        hint = f"; is the path prefix {target.prefix!r} right?" if target.prefix else ""
-        raise DoctorError(f"{target.url}: GET {target.path('/health')} answered 404 (no such path{hint})")
-    if health.status != 200:
-        raise DoctorError(f"{target.url}: GET /health answered {health.status}; doctor needs a healthy server")
+    raise DoctorError(
+        f"found no llama-server behind {target.url}: {'; '.join(tried)} (llama-server answers 200 to both, "
+        f"with its build in /props; the Server header was not 'llama.cpp' either). Give the server's own URL, "
+        "e.g. http://127.0.0.1:8080"
+    )
+
+
+def _identity(server: str | None, info: dict[str, object]) -> Identity:
     build = info.get("build_info")
     build_text = build if isinstance(build, str) else None
     model = info.get("model_alias") or info.get("model_path")
@@ -207,13 +221,20 @@ def keepalive_check(
         return replace(check, after="open", reuse=f"answered {answer.status}")
 
 
-def burst_check(target: Target, connections: int, timeout: float) -> BurstCheck:
+def burst_check(target: Target, connections: int, timeout: float, progress: TextIO | None = None) -> BurstCheck:
     """Open ``connections`` connections at once, send ``GET /health`` on each, and time every first byte; up to
     ``BURST_ROUNDS`` bursts, stopping at the first in which a connection stalls."""
     request = f"GET {target.path('/health')} HTTP/1.1\r\nHost: {target.host_header}\r\n\r\n".encode()
     rounds: list[BurstRound] = []
     for number in range(BURST_ROUNDS):
         if number:
+            if progress is not None:
+                print(
+                    f"      burst {number} of up to {BURST_ROUNDS}: every connection answered; next burst in "
+                    f"{BURST_PAUSE:g} s (the server's extra threads must exit first) ...",
+                    file=progress,
+                    flush=True,
+                )
             time.sleep(BURST_PAUSE)
         try:
             socks = open_burst(target.host, target.port, connections, timeout=timeout)
@@ -236,7 +257,14 @@ def burst_check(target: Target, connections: int, timeout: float) -> BurstCheck:
 
 
 def load_check(
-    target: Target, *, guarded: bool, requests: int, timeout: float, max_tokens: int, api_key: str | None
+    target: Target,
+    *,
+    guarded: bool,
+    requests: int,
+    timeout: float,
+    max_tokens: int,
+    api_key: str | None,
+    progress: TextIO | None = None,
 ) -> LoadRow:
     """The proxy-like load: ``LOAD_WORKERS`` threads share one client with ``LOAD_CONNECTIONS`` connections,
     every second request streamed; with plain httpx or with the guard."""
@@ -258,5 +286,6 @@ def load_check(
             path=CHAT,
             body_for=lambda index: chat_body(stream=index % 2 == 1, max_tokens=max_tokens),
             deadline=time.monotonic() + LOAD_BUDGET,
+            progress=progress,
         )
     return row

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..llama_build import has_pool_defect
+from ..llama_build import build_has_pool_defect
 from ..load import LoadRow
-from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, identify, keepalive_check, load_check
-from .model import AFFECTED, DoctorError, DoctorRun, Finding, Target, parse_target
+from ..main import interrupted
+from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate
+from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target
 from .report import check_report_path, write_report
 from .verdict import LoadShape, exit_code, findings, load_evidence
 
@@ -56,7 +57,9 @@ def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO
     except DoctorError as exc:
         message = str(exc)
     except KeyboardInterrupt:
-        message = "interrupted"
+        if options.json:
+            print(json.dumps({"url": options.url, "error": "interrupted", "exit_code": 130}), file=out)
+        return interrupted("doctor")
     except Exception as exc:  # a bug of ours: still one line, as promised, with enough to report it
         message = f"unexpected error {type(exc).__name__}: {exc} (please report this)"
     if options.json:
@@ -71,6 +74,7 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
         check_report_path(options.report)
     api_key = options.api_key if options.api_key is not None else os.environ.get("LLAMA_API_KEY") or None
     run = DoctorRun(target, started=time.monotonic())
+    progress = None if options.quiet else err
     steps: list[tuple[str, Callable[[], None]]] = []
 
     def step(title: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -80,9 +84,17 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
 
         return add
 
-    @step(f"identity: GET /health and GET /props on {target.url}")
+    shorter = " (then under each shorter path, down to the root)" if target.prefix else ""
+
+    @step(f"identity: GET /health and GET /props on {target.url}{shorter}")
     def _identity() -> None:
-        run.identity = identify(target, options.timeout, api_key)
+        nonlocal target
+        found, run.identity = locate(target, options.timeout, api_key)
+        if found != target:
+            run.given_url, run.target, target = target.url, found, found
+        if not options.quiet:
+            where = f" (the URL given was {run.given_url})" if run.given_url else ""
+            print(f"      found llama-server at {target.url}{where}", file=err, flush=True)
 
     @step("a streamed completion on a new connection: does the server close it after the final chunk?")
     def _stream() -> None:
@@ -100,17 +112,17 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
 
         @step(f"pooled load with plain httpx: {options.requests} requests")
         def _plain() -> None:
-            run.plain = _load(options, target, api_key, guarded=False)
+            run.plain = _load(options, target, api_key, guarded=False, progress=progress)
 
         @step(f"pooled load with the guard: {options.requests} requests")
         def _guard() -> None:
-            run.guard = _load(options, target, api_key, guarded=True)
+            run.guard = _load(options, target, api_key, guarded=True, progress=progress)
 
     if options.burst:
 
         @step(f"burst: {options.burst} connections opened at once, GET /health on each")
         def _burst() -> None:
-            run.burst = burst_check(target, options.burst, options.timeout)
+            run.burst = burst_check(target, options.burst, options.timeout, progress)
 
     for number, (title, function) in enumerate(steps, 1):
         if not options.quiet:
@@ -134,7 +146,9 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     return code
 
 
-def _load(options: DoctorOptions, target: Target, api_key: str | None, *, guarded: bool) -> LoadRow:
+def _load(
+    options: DoctorOptions, target: Target, api_key: str | None, *, guarded: bool, progress: TextIO | None
+) -> LoadRow:
     return load_check(
         target,
         guarded=guarded,
@@ -142,6 +156,7 @@ def _load(options: DoctorOptions, target: Target, api_key: str | None, *, guarde
         timeout=options.timeout,
         max_tokens=options.max_tokens,
         api_key=api_key,
+        progress=progress,
     )
 
 
@@ -160,6 +175,8 @@ def _finding_text(item: Finding) -> list[str]:
 def format_text(run: DoctorRun, code: int) -> str:
     identity = run.identity
     lines = [f"llama-guard doctor {run.target.url}"]
+    if run.given_url:
+        lines.append(f"(llama-server found at {run.target.url}; the URL given was {run.given_url})")
     if identity is not None:
         build = identity.build_info or "not reported"
         number = f" = b{identity.build_number}" if identity.build_number is not None else " (build number unknown)"
@@ -171,7 +188,13 @@ def format_text(run: DoctorRun, code: int) -> str:
     for item in run.findings:
         lines += ["", *_finding_text(item)]
     affected = [item.defect for item in run.findings if item.status == AFFECTED]
-    verdict = f"affected: {', '.join(affected)}" if affected else "no defect found"
+    unknown = [item.defect for item in run.findings if item.status == COULD_NOT_TELL]
+    if affected:
+        verdict = f"affected: {', '.join(affected)}" + (f"; could not tell: {', '.join(unknown)}" if unknown else "")
+    elif unknown:
+        verdict = f"could not tell: {', '.join(unknown)} (no defect found, but not every defect was examined)"
+    else:
+        verdict = "no defect found"
     lines += ["", f"result: {verdict} (exit status {code}; checks took {run.seconds:.1f} s)"]
     return "\n".join(lines)
 
@@ -194,11 +217,12 @@ def doctor_json(run: DoctorRun, code: int) -> dict[str, Any]:
     burst = run.burst
     return {
         "url": run.target.url,
+        "given_url": run.given_url,
         "server": None
         if identity is None
         else {
             **dataclasses.asdict(identity),
-            "build_has_pool_defect": has_pool_defect(identity.build_number),
+            "build_has_pool_defect": build_has_pool_defect(identity.build_info),
         },
         "findings": [dataclasses.asdict(item) | {"evidence": list(item.evidence)} for item in run.findings],
         "checks": {

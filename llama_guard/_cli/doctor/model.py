@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from ..load import LoadRow
@@ -21,6 +22,7 @@ __all__ = [
     "KeepAliveCheck",
     "Status",
     "Target",
+    "base_candidates",
     "parse_target",
 ]
 
@@ -57,27 +59,49 @@ class Target:
         return self.prefix + path
 
 
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(?!\d)")
+
+
 def parse_target(url: str) -> Target:
     """``http://127.0.0.1:8080`` (a bare ``HOST:PORT`` too) -> Target; DoctorError naming what is accepted."""
-    accepted = "expected http://HOST[:PORT][/PREFIX], e.g. http://127.0.0.1:8080"
+    accepted = "expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8080"
     text = url.strip()
-    if "://" not in text:
+    scheme = _SCHEME.match(text)
+    # "localhost:8080" is a host and a port; "htp://..." or "http:/x" is a scheme with a typo around it.
+    if scheme is not None:
+        name = scheme.group(1)
+        if name.lower() == "https":
+            raise DoctorError(
+                f"bad URL {url!r}: only http:// is supported (the checks watch llama-server's own plain-HTTP "
+                f"connections; run doctor against the server, not a TLS proxy); {accepted}"
+            )
+        if name.lower() != "http":
+            raise DoctorError(f"bad URL {url!r}: unknown scheme {name + ':'!r} (did you mean 'http:'?); {accepted}")
+        if not text[scheme.end() :].startswith("//"):
+            raise DoctorError(f"bad URL {url!r}: malformed, 'http:' must be followed by '//'; {accepted}")
+    elif "://" in text:
+        raise DoctorError(f"bad URL {url!r}: malformed scheme before '://'; {accepted}")
+    else:
         text = "http://" + text
     try:
         parts = urllib.parse.urlsplit(text)
         port = parts.port
     except ValueError as exc:
         raise DoctorError(f"bad URL {url!r}: {exc}; {accepted}") from None
-    if parts.scheme != "http":
-        raise DoctorError(
-            f"bad URL {url!r}: only http:// is supported (the checks watch llama-server's own plain-HTTP "
-            f"connections; run doctor against the server, not a TLS proxy); {accepted}"
-        )
     if not parts.hostname:
         raise DoctorError(f"bad URL {url!r}: no host; {accepted}")
     if parts.query or parts.fragment or parts.username or parts.password:
         raise DoctorError(f"bad URL {url!r}: no user, query or fragment allowed; {accepted}")
     return Target(parts.hostname, port if port is not None else 80, parts.path.rstrip("/"))
+
+
+def base_candidates(target: Target) -> list[Target]:
+    """Where llama-server's base may be behind the URL given: its path, then each shorter prefix down to the
+    root (``/v1`` -> ``/v1``, root; ``/proxy/v1/`` -> ``/proxy/v1``, ``/proxy``, root)."""
+    parts = [part for part in target.prefix.split("/") if part]
+    return [
+        replace(target, prefix="".join(f"/{part}" for part in parts[:count])) for count in range(len(parts), -1, -1)
+    ]
 
 
 @dataclass(frozen=True)
@@ -167,6 +191,8 @@ class DoctorRun:
 
     target: Target
     started: float
+    #: The URL as given, when the server's base was found at another path (``/v1`` -> the root).
+    given_url: str | None = None
     identity: Identity | None = None
     stream: KeepAliveCheck | None = None
     nonstream: KeepAliveCheck | None = None

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..llama_build import FIRST_FIXED_BUILD, has_pool_defect
+from ..llama_build import FIRST_FIXED_BUILD, build_has_pool_defect, pool_fix_applied
 from ..load import LoadRow
 from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
 
 __all__ = [
+    "EXIT_COULD_NOT_TELL",
     "LoadShape",
     "exit_code",
     "findings",
@@ -90,9 +91,11 @@ def load_evidence(plain: LoadRow | None, guard: LoadRow | None, shape: LoadShape
         if race
         else ""
     )
+    answered = plain.requests - plain.errors + guard.requests - guard.errors
+    void = "; no request of the load was answered 200, so it shows nothing about the defects" if answered == 0 else ""
     return (
         f"pooled load ({shape.workers} threads sharing {shape.connections} connections, every second request "
-        f"streamed): plain httpx {lost(plain)}; the guard {lost(guard)}{note}",
+        f"streamed): plain httpx {lost(plain)}; the guard {lost(guard)}{note}{void}",
     )
 
 
@@ -139,13 +142,15 @@ def nonstream_finding(check: KeepAliveCheck) -> Finding:
 
 
 def _build_evidence(identity: Identity) -> str:
+    if pool_fix_applied(identity.build_info):
+        return f"build {identity.build_info} has the thread-pool fix of b{FIRST_FIXED_BUILD} applied (patched build)"
     if identity.build_number is None:
         shown = f"'{identity.build_info}'" if identity.build_info else "not reported"
         return (
             f"the build is unknown (GET /props build_info: {shown}; builds made from a source archive say "
             "'b0-unknown'), so only behaviour can tell"
         )
-    when = "predates" if has_pool_defect(identity.build_number) else "includes"
+    when = "predates" if build_has_pool_defect(identity.build_info) else "includes"
     return f"build b{identity.build_number} {when} the thread-pool fix of b{FIRST_FIXED_BUILD}"
 
 
@@ -153,7 +158,7 @@ def pool_finding(identity: Identity, burst: BurstCheck | None) -> Finding:
     """Defect 2: a burst of new keep-alive connections leaves some first requests unread (builds < b11737)."""
     title = f"a new connection's first request is left unread (defect 2, builds before b{FIRST_FIXED_BUILD})"
     build = _build_evidence(identity)
-    defect = has_pool_defect(identity.build_number)
+    defect = build_has_pool_defect(identity.build_info)
     if burst is not None and burst.error is None and burst.rounds:
         stalled = burst.stalled_round
         if stalled is not None:
@@ -199,6 +204,13 @@ def findings(
     return [stream_finding(stream, load), nonstream_finding(nonstream), pool_finding(identity, burst)]
 
 
+#: Exit status when no defect was found but at least one could not be examined: not a clean bill of health.
+EXIT_COULD_NOT_TELL = 3
+
+
 def exit_code(found: list[Finding]) -> int:
-    """0: no defect found; 1: affected by at least one (could-not-tell alone is 0: nothing was found)."""
-    return 1 if any(item.status == AFFECTED for item in found) else 0
+    """0: every defect examined and found absent; 1: affected by at least one; 3: none found, but at least one
+    could not be told (a check that got no valid answer is never "not affected")."""
+    if any(item.status == AFFECTED for item in found):
+        return 1
+    return EXIT_COULD_NOT_TELL if any(item.status == COULD_NOT_TELL for item in found) else 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterable
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..main import EXIT_INTERRUPTED
 from .cmdline import ServerCommand, is_llama_server, parse_server_command
 from .proc import (
     ProcessInfo,
@@ -175,6 +177,7 @@ def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
     events: list[tuple[float, StallEvent]] = []
     tracker = StallTracker(options.stall_seconds)
     started = time.monotonic()
+    was_interrupted = False
     if options.seconds is not None:
         print(
             f"watching {len(watched)} server(s) for {options.seconds:g} s: sampling every {options.interval:g} s, "
@@ -185,10 +188,12 @@ def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
         try:
             _sample_loop(options, watched, tracker, events, started, out)
         except KeyboardInterrupt:
-            print("interrupted", file=err)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            print("llama-guard watch: interrupted; what was seen so far follows", file=err, flush=True)
+            was_interrupted = True
     risks = [assess(item.view, item.max_established, cpus) for item in watched]
     flagged = any(risk.risk == "risk" for risk in risks) or bool(tracker.stalled)
-    code = 1 if flagged else 0
+    code = EXIT_INTERRUPTED if was_interrupted else 1 if flagged else 0
     if options.json:
         document: dict[str, Any] = {
             "servers": [

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..llama_build import FIRST_FIXED_BUILD, build_number, has_pool_defect
+from ..llama_build import FIRST_FIXED_BUILD, build_has_pool_defect, build_number
 from .cmdline import ServerCommand
 from .procnet import Endpoint
 from .stall import StallEvent
@@ -58,7 +58,7 @@ def assess(view: ServerView, connections: int, cpus: int) -> Assessment:
     """The risk of the pool defect for a server holding ``connections`` established client connections."""
     base = view.command.base_http_threads(cpus) if view.command is not None else None
     number = build_number(view.build_info)
-    defect = has_pool_defect(number)
+    defect = build_has_pool_defect(view.build_info)
     if base is None:
         return Assessment("unknown", None, f"{connections} client connections; base HTTP threads unknown")
     over = connections > base
@@ -79,7 +79,7 @@ def assess(view: ServerView, connections: int, cpus: int) -> Assessment:
             f"RISK: build b{number} (before b{FIRST_FIXED_BUILD}) with {counted}: a burst of new connections can "
             f"leave requests unread. Fix: {FIX}",
         )
-    return Assessment("ok", base, f"ok: {counted}, and build b{number} has the fixed pool")
+    return Assessment("ok", base, f"ok: {counted}, and build {view.build_info} has the fixed pool")
 
 
 def _build_text(view: ServerView) -> str:
@@ -88,7 +88,7 @@ def _build_text(view: ServerView) -> str:
     number = build_number(view.build_info)
     if number is None:
         return f"{view.build_info} (from {view.build_source}): a build that does not know its number; unknown"
-    verdict = "has the pool defect" if has_pool_defect(number) else "has the fixed pool"
+    verdict = "has the pool defect" if build_has_pool_defect(view.build_info) else "has the fixed pool"
     return f"{view.build_info} (from {view.build_source}): {verdict}"
 
 
@@ -127,7 +127,7 @@ def server_json(view: ServerView, connections: int, max_connections: int, unread
         "build_info": view.build_info,
         "build_source": view.build_source,
         "build_number": build_number(view.build_info),
-        "build_has_pool_defect": has_pool_defect(build_number(view.build_info)),
+        "build_has_pool_defect": build_has_pool_defect(view.build_info),
         "threads_http": None if command is None else command.threads_http.value,
         "parallel": None if command is None else command.parallel.value,
         "base_http_threads": assessment.base_threads,

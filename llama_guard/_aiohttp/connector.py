@@ -1,0 +1,153 @@
+"""`GuardConnector` and the probe: every new connection to llama-server is proven read before a request is
+written to it.
+
+The hooks run around the connector's creation of a connection (``internals.hook_new_connections``): for a
+connection opened by a guarded attempt (`CURRENT_ATTEMPT`, set by the middleware), they report the connect to that
+request, then write ``GET /health`` on the new transport and wait for the answer, with the protocol aiohttp gave
+the connection set aside (``transport.set_protocol``, public asyncio API) so that aiohttp never sees the exchange.
+A probe that fails closes the connection and raises `ProbeTimeout`/`ProbeError` from the connect: nothing of the
+request was written, and the middleware retries it on a fresh connection with the stall schedule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from .._core.origins import Origin
+from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
+from .attempts import AiohttpRequest, current_run
+from .exceptions import ProbeError, ProbeTimeout, probe_error
+from .internals import ConnectionHooks, hook_new_connections
+
+__all__ = ["KEEPALIVE_TIMEOUT", "GuardConnector", "ProbingHooks"]
+
+# llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), aiohttp 15 s: a pooled connection the
+# server has closed would be handed out. Expire ours a second before the server's.
+KEEPALIVE_TIMEOUT = 4.0
+
+
+class GuardConnector(aiohttp.TCPConnector):
+    """An `aiohttp.TCPConnector` whose new connections to llama-server are probed (``GET /health``) before the
+    first request is written to them, when that request goes through the guard's middleware (`GuardMiddleware`;
+    `guarded_session()` wires both). Takes every `aiohttp.TCPConnector` argument; ``keepalive_timeout`` defaults
+    to 4 s, below llama-server's 5 s.
+
+    ``probing_off``: None when new connections are probed; else why not (an aiohttp version the guard was not
+    tested with), also in the guard's ``stats.public_path``.
+    """
+
+    def __init__(self, *, keepalive_timeout: float | object = KEEPALIVE_TIMEOUT, **kwargs: Any) -> None:
+        super().__init__(keepalive_timeout=keepalive_timeout, **kwargs)  # type: ignore[arg-type]
+        self.probing_off = hook_new_connections(self, ProbingHooks())
+
+
+class ProbingHooks(ConnectionHooks):
+    """The guard's work on a connector's new connections (one instance per connector)."""
+
+    def __init__(self) -> None:
+        # Origins whose server closed the connection after answering a probe: probing them cannot work.
+        self.unprobeable: set[Origin] = set()
+
+    def connecting(self, request: aiohttp.ClientRequest) -> None:
+        run = current_run(request)
+        if run is not None:
+            run.connecting()
+
+    async def connected(self, request: aiohttp.ClientRequest, transport: Any) -> None:
+        run = current_run(request)
+        if run is None:
+            return  # a request the guard passes through, or another session's inside a guarded attempt
+        # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
+        if run.probing and request.proxy is None and run.origin not in self.unprobeable:
+            await self._probe(transport, run)
+        run.connected()
+
+    async def _probe(self, transport: asyncio.Transport, run: AiohttpRequest) -> None:
+        request = run.aiohttp_request
+        exchange = ProbeExchange(run.host_header)
+        deadline = run.next_probe_deadline()
+        protocol = transport.get_protocol()
+        reader = _ProbeReader(exchange)
+        transport.set_protocol(reader)
+        started = time.monotonic()
+        try:
+            transport.write(exchange.request_bytes())
+            answer = await asyncio.wait_for(reader.answered, deadline)
+            if reader.extra:
+                raise ProbeProtocolError(f"{len(reader.extra)} bytes after the answer to GET /health")
+        except asyncio.TimeoutError as exc:
+            _discard(transport, protocol)
+            run.probe_failed(time.monotonic() - started)
+            raise probe_error(
+                ProbeTimeout,
+                request,
+                f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
+                "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
+            ) from exc
+        except (OSError, ProbeProtocolError) as exc:
+            _discard(transport, protocol)
+            run.probe_failed(time.monotonic() - started)
+            raise probe_error(
+                ProbeError, request, f"the probe of a new connection to {run.origin} failed: {exc}"
+            ) from exc
+        except BaseException:
+            _discard(transport, protocol)
+            raise
+        transport.set_protocol(protocol)
+        run.probe_answered(time.monotonic() - started)
+        if not answer.keep_alive:
+            self._closed_after_probe(transport, protocol, run, answer)
+
+    def _closed_after_probe(
+        self, transport: asyncio.Transport, protocol: Any, run: AiohttpRequest, answer: ProbeAnswer
+    ) -> None:
+        _discard(transport, protocol)
+        if run.probe_closed(answer.status):
+            self.unprobeable.add(run.origin)
+        raise probe_error(
+            ProbeError, run.aiohttp_request, f"{run.origin} answered GET /health with {answer.status} and closed"
+        )
+
+
+def _discard(transport: asyncio.Transport, protocol: Any) -> None:
+    """Close a connection that failed its probe; aiohttp's protocol gets the close, as for any lost connection."""
+    transport.set_protocol(protocol)
+    transport.abort()
+
+
+class _ProbeReader(asyncio.Protocol):
+    """The new connection's protocol while the probe runs: feeds what arrives to the exchange."""
+
+    def __init__(self, exchange: ProbeExchange) -> None:
+        self.exchange = exchange
+        self.answered: asyncio.Future[ProbeAnswer] = asyncio.get_running_loop().create_future()
+        self.extra = b""
+
+    def _feed(self, data: bytes) -> None:
+        if self.answered.done():
+            self.extra += data
+            return
+        try:
+            answer = self.exchange.feed(data)
+        except ProbeProtocolError as exc:
+            self.answered.set_exception(exc)
+            return
+        if answer is not None:
+            self.answered.set_result(answer)
+
+    def data_received(self, data: bytes) -> None:
+        self._feed(data)
+
+    def eof_received(self) -> bool:
+        self._feed(b"")
+        return True  # keep the transport open: the answer decides (its keep-alive), and _discard closes
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.answered.done():
+            self.answered.set_exception(
+                exc or ProbeProtocolError("the server closed the connection before answering GET /health")
+            )

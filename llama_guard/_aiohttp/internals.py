@@ -1,0 +1,218 @@
+"""Every access the guard makes to private attributes of aiohttp, behind one version gate.
+
+The guard hooks a connector's ``_create_connection`` (where a new connection is made, before its first request is
+written: the probe goes there), marks a llama stream's connection to be closed on release (``response._protocol``:
+``force_close()``, or ``close()`` when aiohttp has pooled it already), and, for a session it guards, turns off
+aiohttp's own one-time resend of idempotent requests (``ClientSession._retry_connection``: the guard's rules decide
+instead) and reads or replaces its ``_middlewares``. None of that is public API: it is done here only, and only on
+the aiohttp versions in `TESTED_VERSIONS`. On any other version `check_version()` logs one warning naming it, and
+the guard runs on public API only: retries, the first-byte deadline and ``Connection: close`` on streams stay on;
+the probe and the drop after a stream are off, and ``stats.public_path`` says so.
+"""
+
+from __future__ import annotations
+
+import select
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import aiohttp
+
+from .._core.log import logger
+
+__all__ = [
+    "SESSION_REQUEST_METHOD",
+    "TESTED_VERSIONS",
+    "check_version",
+    "disable_connection_retry",
+    "drop_after_response",
+    "fail_body_on_connection_loss",
+    "hook_new_connections",
+    "session_middlewares",
+    "set_session_middlewares",
+    "unhook_new_connections",
+    "untested_version",
+]
+
+# The versions whose private attributes used here were read and run against (the guard's aiohttp tests).
+TESTED_VERSIONS: frozenset[str] = frozenset({"3.12.15", "3.13.5", "3.14.5"})
+
+_WARNED: set[str] = set()
+
+# Where install() hooks every session, those created before it included: wrap this method at class level (wrapt:
+# module, name) to call `guard_session(self, ...)` before each request; only when `untested_version()` is None.
+# aiohttp reads the session's middlewares inside this method, after the wrapper has run.
+SESSION_REQUEST_METHOD = ("aiohttp.client", "ClientSession._request")
+
+
+def untested_version() -> str | None:
+    """None when the imported aiohttp is a version in `TESTED_VERSIONS`; else why not, naming it.
+
+    Read from ``aiohttp.__version__`` at each call, so that a test can change it."""
+    version = aiohttp.__version__
+    if version in TESTED_VERSIONS:
+        return None
+    return (
+        f"aiohttp {version} is not a version llama_guard was tested with ({', '.join(sorted(TESTED_VERSIONS))}): "
+        "the guard uses public API only: new connections are not probed and stream connections are not dropped "
+        "after the final chunk (retries, the first-byte deadline and Connection: close on streams stay on)"
+    )
+
+
+def check_version() -> str | None:
+    """`untested_version()`, logged once per process for each untested version."""
+    reason = untested_version()
+    if reason is not None and reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("%s", reason)
+    return reason
+
+
+# -- new connections ---------------------------------------------------------------------------------------------
+
+
+class ConnectionHooks:
+    """What the guard does around a connector's creation of a new connection (see `hook_new_connections`)."""
+
+    def connecting(self, request: aiohttp.ClientRequest) -> None:
+        raise NotImplementedError
+
+    def connected(self, request: aiohttp.ClientRequest, transport: Any) -> Awaitable[None]:
+        raise NotImplementedError
+
+
+class _CreateConnection:
+    """A connector's ``_create_connection`` with the guard's hooks around it (an instance attribute)."""
+
+    __slots__ = ("create", "hooks")
+
+    def __init__(self, create: Callable[..., Awaitable[Any]], hooks: ConnectionHooks) -> None:
+        self.create = create
+        self.hooks = hooks
+
+    async def __call__(self, req: aiohttp.ClientRequest, traces: Any, timeout: Any) -> Any:
+        self.hooks.connecting(req)
+        protocol = await self.create(req, traces, timeout)
+        try:
+            await self.hooks.connected(req, protocol.transport)
+        except BaseException:
+            protocol.close()
+            raise
+        return protocol
+
+
+def hook_new_connections(connector: aiohttp.BaseConnector, hooks: ConnectionHooks) -> str | None:
+    """Run ``hooks`` around every new connection ``connector`` creates; None if done, else why not (untested
+    aiohttp, or a connector that is not a `aiohttp.TCPConnector`)."""
+    untested = check_version()
+    if untested is not None:
+        return untested
+    if not isinstance(connector, aiohttp.TCPConnector):
+        return f"the session's connector is a {type(connector).__name__}, not an aiohttp.TCPConnector: not probed"
+    create = connector._create_connection
+    if isinstance(create, _CreateConnection):
+        create.hooks = hooks
+    else:
+        connector._create_connection = _CreateConnection(create, hooks)  # type: ignore[method-assign]
+    if not isinstance(connector._get, _GetPooled):
+        connector._get = _GetPooled(connector, connector._get)  # type: ignore[method-assign]
+    return None
+
+
+def unhook_new_connections(connector: aiohttp.BaseConnector) -> None:
+    for name in ("_create_connection", "_get"):
+        if isinstance(connector.__dict__.get(name), (_CreateConnection, _GetPooled)):
+            del connector.__dict__[name]
+
+
+class _GetPooled:
+    """A connector's ``_get`` (hand out an idle pooled connection) that first discards idle connections whose
+    socket is readable: at end of file (the server closed it: llama-server after a stream or on a restart) or
+    holding stray bytes. aiohttp learns of a close only when its event loop next reads the socket, so a request
+    sent right after would be written to a dead connection; httpcore's pool makes the same check."""
+
+    __slots__ = ("connector", "get")
+
+    def __init__(self, connector: aiohttp.BaseConnector, get: Callable[..., Awaitable[Any]]) -> None:
+        self.connector = connector
+        self.get = get
+
+    async def __call__(self, key: Any, traces: Any) -> Any:
+        conns = self.connector._conns.get(key)
+        while conns:
+            protocol = conns[0][0]  # the one aiohttp hands out next
+            transport = protocol.transport
+            sock = transport.get_extra_info("socket") if transport is not None else None
+            if sock is None or not select.select([sock], [], [], 0)[0]:
+                break
+            conns.popleft()
+            protocol.close()
+        if conns is not None and not conns:
+            del self.connector._conns[key]
+        return await self.get(key, traces)
+
+
+# -- responses and sessions --------------------------------------------------------------------------------------
+
+
+def drop_after_response(response: aiohttp.ClientResponse) -> bool:
+    """Have the connection of ``response`` closed instead of pooled once its body is read; False when that cannot
+    be done (an untested aiohttp).
+
+    A body that had arrived whole by the time the headers were parsed has released its connection to the pool
+    already, inside ``response.start()``, with no await since: it is idle there, and closing it now is safe (the
+    pool discards a closed connection)."""
+    if untested_version() is not None:
+        return False
+    protocol = response._protocol
+    if protocol is None:
+        return False
+    if response.connection is not None:
+        protocol.force_close()
+    else:
+        protocol.close()
+    return True
+
+
+def fail_body_on_connection_loss(response: aiohttp.ClientResponse) -> None:
+    """Make a read of ``response``'s body fail, rather than wait forever, if its connection is lost first.
+
+    aiohttp 3.14 drops a chunked body whose framing turns bad after the headers were handed out (a chunk size that
+    is not hex): it closes the connection but never fails the body, and a reader waits forever (its sock_read
+    timeout is dropped too). Only for a response whose connection is not reused (a llama stream), so that callbacks
+    do not pile up on a long-lived connection."""
+    if untested_version() is not None:
+        return
+    protocol = response._protocol
+    closed = protocol.closed if protocol is not None else None
+    if closed is None:
+        return
+    content = response.content
+
+    def on_closed(future: Any) -> None:
+        if not future.cancelled():
+            future.exception()  # retrieved: asyncio would log an unretrieved one
+        if not content.is_eof() and content.exception() is None:
+            content.set_exception(
+                aiohttp.ClientPayloadError("Response payload is not completed: the connection was closed")
+            )
+
+    closed.add_done_callback(on_closed)
+
+
+def disable_connection_retry(session: aiohttp.ClientSession) -> bool:
+    """Turn off aiohttp's own resend of an idempotent request after a dead pooled connection: the guard's
+    middleware retries by its own rules (a resend outside it would repeat what the guard gave up on)."""
+    if untested_version() is not None:
+        return False
+    session._retry_connection = False
+    return True
+
+
+def session_middlewares(session: aiohttp.ClientSession) -> Sequence[Any]:
+    middlewares: Sequence[Any] = session._middlewares
+    return middlewares
+
+
+def set_session_middlewares(session: aiohttp.ClientSession, middlewares: Sequence[Any]) -> None:
+    session._middlewares = tuple(middlewares)

@@ -1,0 +1,49 @@
+"""llama_guard for aiohttp (``pip install llama-guard[aiohttp]``, aiohttp >= 3.12)::
+
+    from llama_guard.aiohttp import guarded_session, guard_of, guard_result
+
+    async with guarded_session("http://127.0.0.1:8080") as session:
+        async with session.post("/v1/chat/completions", json={...}) as response:
+            print(await response.json(), guard_result(response))
+        print(guard_of(session).stats)
+
+Or the parts: ``aiohttp.ClientSession(connector=GuardConnector(), middlewares=[GuardMiddleware()])``; or
+`guard_session(session)` on a session that exists. The same `GuardPolicy`, `GuardStats` and `GuardResult` as the
+httpx transports; errors subclass aiohttp's (`ProbeTimeout`, `ProbeError`, `FirstByteTimeout`, and
+``Guarded<X>`` for an aiohttp error X the guard gave up on), all of them `llama_guard.GuardError`.
+"""
+
+from ._aiohttp.connector import KEEPALIVE_TIMEOUT, GuardConnector
+from ._aiohttp.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
+from ._aiohttp.internals import TESTED_VERSIONS
+from ._aiohttp.middleware import GuardMiddleware, guard_result, request_options
+from ._aiohttp.session import guard_of, guard_session, guarded_session, unguard_session
+from ._core.errors import GuardError
+from ._core.policy import GuardPolicy
+from ._core.result import GuardResult
+from ._core.stats import GuardStats
+
+__all__ = [
+    "KEEPALIVE_TIMEOUT",
+    "TESTED_VERSIONS",
+    "FirstByteTimeout",
+    "GuardConnector",
+    "GuardError",
+    "GuardMiddleware",
+    "GuardPolicy",
+    "GuardResult",
+    "GuardStats",
+    "ProbeError",
+    "ProbeTimeout",
+    "guard_of",
+    "guard_result",
+    "guard_session",
+    "guarded_session",
+    "request_options",
+    "unguard_session",
+]
+
+# Public classes present themselves as llama_guard.aiohttp.X (the shared ones stay llama_guard.X).
+for _name in ("FirstByteTimeout", "GuardConnector", "GuardMiddleware", "ProbeError", "ProbeTimeout"):
+    globals()[_name].__module__ = "llama_guard.aiohttp"
+del _name

@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Run the fast core suite against the oldest and newest versions the pins allow.
+
+The guard reaches into httpcore's and httpcore2's internals (behind one version gate), so the versions the pins admit
+must be the versions it was tested with. Each row gets a fresh virtual environment under ``.matrix/``, the project
+installed with its ``test`` extra and the row's exact versions, and runs ``pytest -m "not slow and not
+real_server"``
+with ``LLAMA_GUARD_PARTIAL_DEPS=1``: a test module that needs a package the row lacks (httpx2 on Python 3.10, the
+frameworks) is not collected, and pytest's summary names it.
+
+Usage::
+
+    python scripts/version_matrix.py            # every row; exit 1 if one fails, 2 if one cannot be set up
+    python scripts/version_matrix.py --row oldest
+
+An interpreter a row needs is looked up in pyenv's versions folder, then as ``pythonX.Y`` on PATH; a row whose
+interpreter is missing fails (exit 2) rather than passing unseen. Stdlib only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST_CORE = "not slow and not real_server"
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    python: str
+    pins: tuple[str, ...]
+    why: str
+
+
+# Keep in step with pyproject.toml's bounds and llama_guard/_httpx/_internals.py's TESTED table.
+ROWS = (
+    Row(
+        "oldest",
+        "3.10",
+        (
+            "httpx==0.27.0",
+            "httpcore==1.0.7",
+            "h11==0.14.0",
+            "anyio==4.10.0",
+            "tenacity==8.3.0",
+            "wrapt==2.5.0",
+            "aiohttp==3.12.15",
+        ),
+        "the lowest versions the pins allow, on the lowest Python (httpx2 needs 3.11: its tests skip and say so)",
+    ),
+    Row(
+        "newest",
+        "3.13",
+        ("httpx==0.28.1", "httpcore==1.0.9", "httpx2==2.16.2", "httpcore2==2.16.2", "aiohttp==3.14.5"),
+        "the newest versions the pins allow, on the newest Python",
+    ),
+)
+
+
+class SetupError(Exception):
+    """A row that cannot run here, in one line."""
+
+
+def find_python(version: str) -> str:
+    # pyenv's own folder first: its shim on PATH exists for every installed version but fails unless that version is
+    # selected, so a name on PATH is only taken once it has shown that it runs.
+    pyenv_root = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
+    candidates = sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"))
+    found = candidates[-1] if candidates else shutil.which(f"python{version}")
+    if found and subprocess.run([found, "--version"], capture_output=True).returncode == 0:
+        return found
+    raise SetupError(f"no Python {version} (looked in {pyenv_root}/versions and for python{version} on PATH)")
+
+
+def run(cmd: list[str], *, log: Path | None = None, env: dict[str, str] | None = None) -> int:
+    if log is None:
+        return subprocess.call(cmd, cwd=ROOT, env=env)
+    with log.open("a") as out:
+        return subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def prepare(row: Row) -> Path:
+    """A fresh venv with the project and the row's exact versions; returns its python."""
+    venv = ROOT / ".matrix" / row.name
+    shutil.rmtree(venv, ignore_errors=True)
+    venv.parent.mkdir(exist_ok=True)
+    log = venv.parent / f"{row.name}.install.log"
+    log.unlink(missing_ok=True)
+    if run([find_python(row.python), "-m", "venv", str(venv)], log=log):
+        raise SetupError(f"could not create a venv with Python {row.python} (see {log})")
+    python = venv / "bin" / "python"
+    if run([str(python), "-m", "pip", "install", "--quiet", "-e", ".[test]", *row.pins], log=log):
+        raise SetupError(f"pip could not install {' '.join(row.pins)} with Python {row.python} (see {log})")
+    return python
+
+
+def versions(python: Path) -> str:
+    code = (
+        "import importlib.metadata as m, sys\n"
+        "names = ('httpx', 'httpcore', 'httpx2', 'httpcore2', 'aiohttp', 'h11', 'anyio')\n"
+        "def v(n):\n"
+        "    try: return m.version(n)\n"
+        "    except m.PackageNotFoundError: return '-'\n"
+        "print(f'Python {sys.version.split()[0]}', *(f'{n} {v(n)}' for n in names), sep=', ')\n"
+    )
+    return subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--row", choices=[r.name for r in ROWS], action="append", help="run only this row")
+    args = parser.parse_args(argv)
+    rows = [r for r in ROWS if not args.row or r.name in args.row]
+    failed: list[str] = []
+    for row in rows:
+        started = time.monotonic()
+        print(f"version matrix: {row.name}: {row.why}", flush=True)
+        try:
+            python = prepare(row)
+        except SetupError as exc:
+            print(f"version matrix: {row.name}: error: {exc}", file=sys.stderr)
+            return 2
+        print(f"version matrix: {row.name}: {versions(python)}", flush=True)
+        code = run(
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST_CORE],
+            env={**os.environ, "LLAMA_GUARD_PARTIAL_DEPS": "1"},
+        )
+        took = time.monotonic() - started
+        print(f"version matrix: {row.name}: {'passed' if code == 0 else 'FAILED'} in {took:.0f} s", flush=True)
+        if code:
+            failed.append(row.name)
+    if failed:
+        print(f"version matrix: failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
