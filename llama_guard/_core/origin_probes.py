@@ -21,7 +21,8 @@ The count is so a lower bound of false alarms (a server's own count of ``GET /he
 Admission: while a probe of the origin was given up within ``RECOVERY_WINDOW`` seconds (``"after_stall"``), or
 always (``"always"``), new connections to it are opened and probed one at a time, in the order they asked: the
 next connection is opened once the previous one's probe was answered or given up. Reconnects after a stall then
-reach the server one by one instead of as a new burst.
+reach the server one by one instead of as a new burst. A waiting connection sleeps until woken (`turns.Turn`): the
+connection that frees the turn wakes the one now first in the queue, in whatever thread or event loop it waits.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ from dataclasses import dataclass
 from .origins import Origin
 from .policy import GuardPolicy
 from .stats import GuardStats
+from .turns import Turn
 
 __all__ = [
-    "ADMISSION_POLL",
     "LEARN_AFTER",
     "PROBE_BOOK",
     "PROBE_SLICE",
@@ -54,9 +55,6 @@ LEARN_AFTER = 4
 WINDOW = 64
 # How long after a probe was given up new connections to its origin keep being admitted one at a time.
 RECOVERY_WINDOW = 5.0
-# A connection waiting for its turn looks again this often. A poll rather than a wake-up: the queue is shared by
-# every transport of the process, across threads and event loops (asyncio, trio) that cannot wake one another.
-ADMISSION_POLL = 0.001
 # A probe in progress looks at the deadline in force this often, so that answers seen meanwhile (the healthy
 # connections of the same burst) shorten its wait.
 PROBE_SLICE = 0.02
@@ -81,6 +79,7 @@ class OriginProbes:
     """The probe state of one origin; thread-safe (sync transports share it between threads)."""
 
     __slots__ = (
+        "_admitted",
         "_answers",
         "_given_up",
         "_in_progress",
@@ -91,6 +90,7 @@ class OriginProbes:
         "_probes_started",
         "_queue",
         "_recent_answers",
+        "_turns",
         "origin",
     )
 
@@ -105,8 +105,10 @@ class OriginProbes:
         self._given_up: list[GivenUpProbe] = []
         self._last_given_up = -RECOVERY_WINDOW
         self._queue: collections.deque[int] = collections.deque()
+        self._turns: dict[int, Turn] = {}  # how to wake each waiting ticket
         self._in_progress: set[int] = set()
         self._next_ticket = 0
+        self._admitted = 0
 
     # -- the deadline ----------------------------------------------------------------------------------------------
 
@@ -205,12 +207,14 @@ class OriginProbes:
         mode = policy.connect_admission
         return mode == "always" or (mode == "after_stall" and self.recovering())
 
-    def take_ticket(self) -> int:
-        """A place in the queue of connections waiting to be opened; `admit` says when it is this one's turn."""
+    def take_ticket(self, turn: Turn) -> int:
+        """A place in the queue of connections waiting to be opened; `admit` says when it is this one's turn.
+        ``turn`` is woken whenever it may have come (made by the waiter, in its own thread or event loop)."""
         with self._lock:
             ticket = self._next_ticket
             self._next_ticket += 1
             self._queue.append(ticket)
+            self._turns[ticket] = turn
             return ticket
 
     def admit(self, ticket: int) -> bool:
@@ -220,22 +224,34 @@ class OriginProbes:
             if self._in_progress or not self._queue or self._queue[0] != ticket:
                 return False
             self._queue.popleft()
+            self._turns.pop(ticket, None)
             self._in_progress.add(ticket)
+            self._admitted += 1
             return True
 
     def leave(self, ticket: int) -> None:
-        """The connection of ``ticket`` is probed (answered or given up), failed, or its request was cancelled."""
+        """The connection of ``ticket`` is probed (answered or given up), failed, or its request was cancelled (or
+        its wait timed out): the connection now first in the queue is woken, its turn may have come."""
         with self._lock:
             if ticket in self._in_progress:
                 self._in_progress.discard(ticket)
             else:
+                self._turns.pop(ticket, None)
                 with contextlib.suppress(ValueError):
                     self._queue.remove(ticket)
+            turn = self._turns.get(self._queue[0]) if self._queue and not self._in_progress else None
+        if turn is not None:
+            turn.wake()  # outside the lock: an asyncio or trio waker schedules a call on the waiter's loop
 
     def opening(self) -> int:
         """Connections admitted and not yet probed (for tests and stats)."""
         with self._lock:
             return len(self._in_progress)
+
+    def admitted(self) -> int:
+        """Connections admitted so far, after a wait or not (for tests)."""
+        with self._lock:
+            return self._admitted
 
     def waiting(self) -> int:
         """Connections waiting for their turn (for tests and stats)."""

@@ -19,13 +19,14 @@ are its own, unwrapped (an https connection only until its TLS handshake).
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
 import httpcore2 as httpcore
 
 from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
-from .._core.origin_probes import ADMISSION_POLL
+from .._core.turns import ThreadTurn
 from .attempts import AttemptBody
 from .internals import network_backend, remove_instance_method, set_instance_method, set_network_backend
 
@@ -139,19 +140,20 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         probes = run.origin_probes
         if not probes.admission_needed(run.policy):
             return None
-        ticket = probes.take_ticket()
+        # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop
+        # that runs: the turn is made here, in the waiter's own, and woken thread-safely (_core/turns.py).
+        turn = ThreadTurn()
+        ticket = probes.take_ticket(turn)
         if probes.admit(ticket):
             return ticket
         started = time.monotonic()
         try:
-            while not probes.admit(ticket):
-                if timeout is not None and time.monotonic() - started >= timeout:
-                    raise httpcore.ConnectTimeout(
-                        f"waited {timeout:g} s (the connect timeout) for the other new connections to "
-                        f"{probes.origin} to be probed first (connect_admission)"
-                    )
-                self._backend.sleep(ADMISSION_POLL)
-        except BaseException:  # cancelled while waiting: give the place up
+            if not turn.wait_until(functools.partial(probes.admit, ticket), timeout):
+                raise httpcore.ConnectTimeout(
+                    f"waited {timeout:g} s (the connect timeout) for the other new connections to "
+                    f"{probes.origin} to be probed first (connect_admission)"
+                )
+        except BaseException:  # timed out or cancelled while waiting: give the place up
             probes.leave(ticket)
             raise
         run.stats.record_admission_wait(time.monotonic() - started)
