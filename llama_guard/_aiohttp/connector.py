@@ -49,7 +49,7 @@ class GuardConnector(aiohttp.TCPConnector):
 
     def __init__(self, *, keepalive_timeout: float | object = KEEPALIVE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(keepalive_timeout=keepalive_timeout, **kwargs)  # type: ignore[arg-type]
-        self._hooks = ProbingHooks()
+        self._hooks = ProbingHooks(keep_given_up=True)
         self.probing_off = hook_new_connections(self, self._hooks)
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
@@ -58,12 +58,16 @@ class GuardConnector(aiohttp.TCPConnector):
 
 
 class ProbingHooks(ConnectionHooks):
-    """The guard's work on a connector's new connections (one instance per connector)."""
+    """The guard's work on a connector's new connections (one instance per connector). ``keep_given_up``: keep a
+    connection whose probe was given up, watched for a late answer, until the watch ends; only for a connector that
+    closes them when it closes (`GuardConnector`); on another (a session the guard was added to), it is closed at
+    once and a late answer there goes uncounted."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_given_up: bool = False) -> None:
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self.unprobeable: set[Origin] = set()
         self.given_up = _GivenUpConnections()
+        self.keep_given_up = keep_given_up
 
     async def connecting(
         self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout
@@ -121,17 +125,21 @@ class ProbingHooks(ConnectionHooks):
                 raise ProbeProtocolError(f"{len(reader.extra)} bytes after the answer to GET /health")
         except asyncio.TimeoutError as exc:
             reader.abandon()
-            if transport.can_write_eof():
-                transport.write_eof()  # a server that reads it after all answers and closes: it holds no thread
-            watch = run.probe_given_up(time.monotonic() - started, reader.late_answer)
-            self.given_up.keep(watch, transport, protocol)
+            seconds = time.monotonic() - started
+            if self.keep_given_up:
+                if transport.can_write_eof():
+                    transport.write_eof()  # a server that reads it after all answers and closes: holds no thread
+                self.given_up.keep(run.probe_given_up(seconds, reader.late_answer), transport, protocol)
+            else:
+                _discard(transport, protocol)
+                run.probe_given_up(seconds, _closed)
             error = probe_error(
                 ProbeTimeout,
                 request,
                 f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
             )
-            error.connection_kept = True  # type: ignore[attr-defined]  # kept, watched for a late answer
+            error.connection_kept = self.keep_given_up  # type: ignore[attr-defined]  # watched for a late answer
             raise error from exc
         except (OSError, ProbeProtocolError) as exc:
             _discard(transport, protocol)
@@ -219,6 +227,10 @@ class _GivenUpConnections:
             else:
                 kept.append((watch, transport, protocol))
         self._kept = kept
+
+
+def _closed() -> bool:
+    return False  # for the origin's watch: a connection closed at once tells nothing
 
 
 def _discard(transport: asyncio.Transport, protocol: Any) -> None:
