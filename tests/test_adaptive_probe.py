@@ -20,7 +20,7 @@ from llama_guard._core.log import STALL_LOG
 from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_BOOK, OriginProbes
 from llama_guard._core.stats import GuardStats
 from llama_guard._core.turns import AsyncTurn, ThreadTurn
-from llama_guard.testing import Fault, LlamaServerEmulator
+from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
 
 from ._drivers import FLAVORS, Driver, close_driver, gather, make_driver, run_scenario
 from .test_mechanisms import CHAT, burst, chat
@@ -233,6 +233,18 @@ def wait_until(condition: Any, what: str, timeout: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"not within {timeout:g} s: {what}"
         time.sleep(0.002)
+
+
+def test_reset_probe_learning_forgets_every_origin() -> None:
+    """`llama_guard.testing.reset_probe_learning()`: what was learnt is gone, the configured deadline is back."""
+    policy = GuardPolicy()
+    probes = PROBE_BOOK.of(ORIGIN)
+    answered(probes, *(0.001,) * LEARN_AFTER)
+    assert probes.deadline(policy) == policy.probe_timeout_min
+    reset_probe_learning()
+    fresh = PROBE_BOOK.of(ORIGIN)
+    assert fresh is not probes
+    assert (fresh.answers_seen(), fresh.deadline(policy)) == (0, policy.probe_timeout)
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
