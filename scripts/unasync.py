@@ -85,6 +85,7 @@ NETWORK_UNASYNC: Rules = (
     (r"\b_AsyncProbeAfterTls\b", "_SyncProbeAfterTls"),
     (r"\b_AsyncCreateConnection\b", "_SyncCreateConnection"),
     (r"\b_AsyncFirstRequest\b", "_SyncFirstRequest"),
+    (r"\bAsyncTurn\b", "ThreadTurn"),
     (r"\bhandle_async_request\b", "handle_request"),
     (r"\bhttpcore\.AsyncNetworkBackend\b", "httpcore.NetworkBackend"),
     (r"\bhttpcore\.AsyncNetworkStream\b", "httpcore.NetworkStream"),

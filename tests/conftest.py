@@ -17,11 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from llama_guard.testing import LlamaServerEmulator
+from llama_guard.testing import LlamaServerEmulator, reset_probe_learning
 
 #: The burst of the stalling server: of the first 16 connections of a burst, 4 are served and 12 stall.
 BURST_THREADS = 4
 BURST_SIZE = 16
+
+
+@pytest.fixture(autouse=True)
+def fresh_probe_learning() -> Iterator[None]:
+    """Every test starts with nothing learnt about probing any origin, and leaves nothing behind: the learnt probe
+    deadlines and admission are process-wide, and an emulator may get the port of an earlier test's."""
+    reset_probe_learning()
+    yield
+    reset_probe_learning()
 
 
 @pytest.fixture

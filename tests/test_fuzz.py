@@ -166,6 +166,12 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "probe": st.booleans(),
     "probe_timeout": _seconds(allow_zero=False, allow_none=False),
     "probe_timeout_max": _seconds(allow_zero=False, allow_none=False),
+    "probe_learning": st.booleans(),
+    "probe_learning_factor": st.one_of(
+        st.floats(min_value=1.0, max_value=1000.0, allow_nan=False), st.integers(min_value=1, max_value=1000)
+    ),
+    "probe_timeout_min": _seconds(allow_zero=False, allow_none=False),
+    "connect_admission": st.sampled_from(["after_stall", "always", "off"]),
     "max_attempts": st.integers(min_value=1, max_value=100),
     "max_retry_time": _seconds(allow_zero=True, allow_none=True),
     "backoff": _seconds(allow_zero=True, allow_none=False),
@@ -184,6 +190,17 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "probe": _NOT_BOOL,
     "probe_timeout": _bad_seconds(allow_zero=False, allow_none=False),
     "probe_timeout_max": _bad_seconds(allow_zero=False, allow_none=False),
+    "probe_learning": _NOT_BOOL,
+    "probe_learning_factor": st.one_of(
+        st.floats(max_value=0.999999),
+        st.floats(min_value=1000.000001),
+        st.sampled_from([math.nan, math.inf, True, False, None, "4", 0]),
+    ),
+    "probe_timeout_min": _bad_seconds(allow_zero=False, allow_none=False),
+    "connect_admission": st.one_of(
+        st.text(max_size=12).filter(lambda text: text not in ("after_stall", "always", "off")),
+        st.sampled_from(["Always", None, 1, b"off"]),
+    ),
     "max_attempts": st.one_of(
         st.integers(max_value=0),
         st.integers(min_value=101),
@@ -316,6 +333,9 @@ _SERVING: dict[str, st.SearchStrategy[Any]] = {
     "first_byte_timeout": st.none() | st.floats(min_value=5.0, max_value=1e6),
     "probe_timeout": st.floats(min_value=3.0, max_value=1e6),
     "probe_timeout_max": st.floats(min_value=3.0, max_value=1e6),
+    # The learnt deadline: no tighter than the defaults (4 x the slowest answer, 50 ms floor).
+    "probe_learning_factor": st.floats(min_value=4.0, max_value=1000.0),
+    "probe_timeout_min": st.floats(min_value=0.05, max_value=1e6),
     "max_retry_time": st.none() | st.floats(min_value=0.0, max_value=1e6),
     "backoff": st.floats(min_value=0.0, max_value=1e6),
     "backoff_max": st.floats(min_value=0.0, max_value=0.1),

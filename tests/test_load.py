@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import socket
 import threading
 import time
 from typing import Any
@@ -225,7 +226,27 @@ class _CountedStream(httpcore.NetworkStream):
                 self._counter.down(self)
 
     def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
+        return _socket_seen(self, self._stream.get_extra_info(info), info)
+
+
+class _ShutdownSeen:
+    """A connection's socket, as the guard gets it: sending FIN on a connection whose probe it gave up (it keeps it a
+    while, half closed, to see whether the answer comes late) lets the connection go, out of the pool's count."""
+
+    def __init__(self, sock: Any, stream: Any) -> None:
+        self._sock, self._stream = sock, stream
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+        if how == socket.SHUT_WR:
+            _released(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _socket_seen(stream: Any, extra: Any, info: str) -> Any:
+    return _ShutdownSeen(extra, stream) if info == "socket" and extra is not None else extra
 
 
 class _CountingBackend(httpcore.NetworkBackend):
@@ -267,7 +288,7 @@ class _AsyncCountedStream(httpcore.AsyncNetworkStream):
                 self._counter.down(self)
 
     def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
+        return _socket_seen(self, self._stream.get_extra_info(info), info)
 
 
 class _AsyncCountingBackend(httpcore.AsyncNetworkBackend):

@@ -53,6 +53,12 @@ def test_keyword_only_and_frozen() -> None:
         ("max_retry_time", -5, "max_retry_time"),
         ("max_retry_after", math.inf, "max_retry_after"),
         ("retry_non_idempotent", "yes", "retry_non_idempotent"),
+        ("probe_learning", "on", "probe_learning must be True or False"),
+        ("probe_learning_factor", 0.5, "probe_learning_factor must be a number from 1 to 1000"),
+        ("probe_learning_factor", math.nan, "probe_learning_factor"),
+        ("probe_learning_factor", True, "probe_learning_factor"),
+        ("probe_timeout_min", 0, "probe_timeout_min must be a number of seconds > 0"),
+        ("connect_admission", "sometimes", "connect_admission must be one of 'after_stall', 'always', 'off'"),
     ],
 )
 def test_bad_values_name_the_field_and_the_range(field: str, value: object, words: str) -> None:
@@ -101,3 +107,13 @@ def test_bad_overrides(overrides: object, words: str) -> None:
     with pytest.raises(ValueError) as info:
         GuardPolicy().merged(overrides)  # type: ignore[arg-type]
     assert words in str(info.value)
+
+
+def test_adaptive_probe_fields_default_on_and_show_in_repr() -> None:
+    """Learning and admission after a stall are on by default; a changed field shows in the repr."""
+    policy = GuardPolicy()
+    assert (policy.probe_learning, policy.probe_learning_factor, policy.probe_timeout_min) == (True, 4.0, 0.05)
+    assert policy.connect_admission == "after_stall"
+    changed = GuardPolicy(probe_learning=False, connect_admission="always")
+    assert repr(changed) == "GuardPolicy(probe_learning=False, connect_admission='always')"
+    assert policy.merged({"connect_admission": "off"}).connect_admission == "off"

@@ -7,18 +7,25 @@ request, then write ``GET /health`` on the new transport and wait for the answer
 the connection set aside (``transport.set_protocol``, public asyncio API) so that aiohttp never sees the exchange.
 A probe that fails closes the connection and raises `ProbeTimeout`/`ProbeError` from the connect: nothing of the
 request was written, and the middleware retries it on a fresh connection with the stall schedule.
+
+As in the httpx flavour, the deadline in force, the admission of new connections and the watch for late answers
+are the origin's (`_core/origin_probes.py`): a connection whose probe was given up is kept half closed, with the
+probe's protocol on it, until its origin has seen whether the answer comes late; then it is closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
 import aiohttp
 
+from .._core.origin_probes import PROBE_SLICE, GivenUpProbe, OriginProbes
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
+from .._core.turns import AsyncTurn
 from .attempts import AiohttpRequest, current_run
 from .exceptions import ProbeError, ProbeTimeout, probe_error
 from .internals import ConnectionHooks, hook_new_connections
@@ -42,33 +49,59 @@ class GuardConnector(aiohttp.TCPConnector):
 
     def __init__(self, *, keepalive_timeout: float | object = KEEPALIVE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(keepalive_timeout=keepalive_timeout, **kwargs)  # type: ignore[arg-type]
-        self.probing_off = hook_new_connections(self, ProbingHooks())
+        self._hooks = ProbingHooks(keep_given_up=True)
+        self.probing_off = hook_new_connections(self, self._hooks)
+
+    def close(self, *args: Any, **kwargs: Any) -> Any:
+        self._hooks.given_up.close(everything=True)  # connections watched for a late answer
+        return super().close(*args, **kwargs)
 
 
 class ProbingHooks(ConnectionHooks):
-    """The guard's work on a connector's new connections (one instance per connector)."""
+    """The guard's work on a connector's new connections (one instance per connector). ``keep_given_up``: keep a
+    connection whose probe was given up, watched for a late answer, until the watch ends; only for a connector that
+    closes them when it closes (`GuardConnector`); on another (a session the guard was added to), it is closed at
+    once and a late answer there goes uncounted."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_given_up: bool = False) -> None:
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self.unprobeable: set[Origin] = set()
+        self.given_up = _GivenUpConnections()
+        self.keep_given_up = keep_given_up
 
-    def connecting(self, request: aiohttp.ClientRequest) -> None:
+    async def connecting(
+        self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout
+    ) -> tuple[OriginProbes, int] | None:
         run = current_run(request)
-        if run is not None:
-            run.connecting()
+        if run is None:
+            return None
+        run.connecting()
+        if not self._probes(run, request):
+            return None
+        return await _admission(run, timeout)
 
     async def connected(self, request: aiohttp.ClientRequest, transport: Any) -> None:
         run = current_run(request)
         if run is None:
             return  # a request the guard passes through, or another session's inside a guarded attempt
-        # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
-        if run.probing and request.proxy is None and run.origin not in self.unprobeable:
+        if self._probes(run, request):
             await self._probe(transport, run)
         run.connected()
+
+    def finished(self, request: aiohttp.ClientRequest, token: tuple[OriginProbes, int] | None) -> None:
+        if token is not None:
+            probes, ticket = token
+            probes.leave(ticket)  # wakes the next connection waiting for its turn
+
+    def _probes(self, run: AiohttpRequest, request: aiohttp.ClientRequest) -> bool:
+        # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
+        return run.probing and request.proxy is None and run.origin not in self.unprobeable
 
     async def _probe(self, transport: asyncio.Transport, run: AiohttpRequest) -> None:
         request = run.aiohttp_request
         exchange = ProbeExchange(run.host_header)
+        run.probe_started()
+        self.given_up.close()
         deadline = run.next_probe_deadline()
         protocol = transport.get_protocol()
         reader = _ProbeReader(exchange)
@@ -76,18 +109,38 @@ class ProbingHooks(ConnectionHooks):
         started = time.monotonic()
         try:
             transport.write(exchange.request_bytes())
-            answer = await asyncio.wait_for(reader.answered, deadline)
+            while not reader.answered.done():
+                remaining = deadline - (time.monotonic() - started)
+                if remaining <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait((reader.answered,), timeout=min(remaining, PROBE_SLICE))
+                if not reader.answered.done():
+                    # While probes wait, given-up ones are watched; the deadline in force may change meanwhile
+                    # (other probes of the origin are answered).
+                    run.origin_probes.check_given_up()
+                    self.given_up.close()
+                    deadline = run.next_probe_deadline()
+            answer = reader.answered.result()
             if reader.extra:
                 raise ProbeProtocolError(f"{len(reader.extra)} bytes after the answer to GET /health")
         except asyncio.TimeoutError as exc:
-            _discard(transport, protocol)
-            run.probe_failed(time.monotonic() - started)
-            raise probe_error(
+            reader.abandon()
+            seconds = time.monotonic() - started
+            if self.keep_given_up:
+                if transport.can_write_eof():
+                    transport.write_eof()  # a server that reads it after all answers and closes: holds no thread
+                self.given_up.keep(run.probe_given_up(seconds, reader.late_answer), transport, protocol)
+            else:
+                _discard(transport, protocol)
+                run.probe_given_up(seconds, _closed)
+            error = probe_error(
                 ProbeTimeout,
                 request,
-                f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
+                f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
-            ) from exc
+            )
+            error.connection_kept = self.keep_given_up  # type: ignore[attr-defined]  # watched for a late answer
+            raise error from exc
         except (OSError, ProbeProtocolError) as exc:
             _discard(transport, protocol)
             run.probe_failed(time.monotonic() - started)
@@ -96,6 +149,7 @@ class ProbingHooks(ConnectionHooks):
             ) from exc
         except BaseException:
             _discard(transport, protocol)
+            run.probe_abandoned()
             raise
         transport.set_protocol(protocol)
         run.probe_answered(time.monotonic() - started)
@@ -113,6 +167,72 @@ class ProbingHooks(ConnectionHooks):
         )
 
 
+async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> tuple[OriginProbes, int] | None:
+    """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the token for
+    `ProbingHooks.finished`, or None. Bounded by the caller's connect timeout: aiohttp's ``connect`` timer covers the
+    whole connect, this wait included (it then raises its own ConnectionTimeoutError); the smaller of ``connect``
+    and ``sock_connect`` bounds it here too, with a message that names the admission."""
+    probes = run.origin_probes
+    if not probes.admission_needed(run.policy):
+        return None
+    # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop
+    # that runs: the turn is made here, in the waiter's own loop, and woken thread-safely (_core/turns.py).
+    turn = AsyncTurn()
+    ticket = probes.take_ticket(turn)
+    if probes.admit(ticket):
+        return probes, ticket
+    bounds = [t for t in (timeout.connect, timeout.sock_connect) if t is not None]
+    bound = min(bounds) if bounds else None
+    started = time.monotonic()
+    try:
+        if not await turn.wait_until(functools.partial(probes.admit, ticket), bound):
+            raise aiohttp.ConnectionTimeoutError(
+                f"waited {bound:g} s (the connect timeout) for the other new connections to {probes.origin} to be "
+                "probed first (connect_admission)"
+            )
+    except BaseException:  # timed out or cancelled while waiting: give the place up
+        probes.leave(ticket)
+        raise
+    run.stats.record_admission_wait(time.monotonic() - started)
+    return probes, ticket
+
+
+class _GivenUpConnections:
+    """A connector's connections whose probe was given up, kept (half closed, the probe's protocol on them) while
+    their origin watches for a late answer; closed once the watch settles or ends, and all when the connector
+    closes."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[GivenUpProbe, asyncio.Transport, Any]] = []
+
+    def keep(self, watch: GivenUpProbe, transport: asyncio.Transport, protocol: Any) -> None:
+        self._kept.append((watch, transport, protocol))
+        # Closed at the latest when the watch ends, even if no probe of the origin looks again.
+        ends = max(watch.watch_until - time.monotonic(), 0.0) + PROBE_SLICE
+        asyncio.get_running_loop().call_later(ends, self._expire, watch)
+
+    def _expire(self, watch: GivenUpProbe) -> None:
+        watch.settled = True
+        self.close()
+
+    def close(self, *, everything: bool = False) -> None:
+        """Close the connections whose watch has settled (all of them when ``everything``)."""
+        if not self._kept:
+            return
+        kept = []
+        for watch, transport, protocol in self._kept:
+            if watch.settled or everything:
+                watch.settled = True
+                _discard(transport, protocol)
+            else:
+                kept.append((watch, transport, protocol))
+        self._kept = kept
+
+
+def _closed() -> bool:
+    return False  # for the origin's watch: a connection closed at once tells nothing
+
+
 def _discard(transport: asyncio.Transport, protocol: Any) -> None:
     """Close a connection that failed its probe; aiohttp's protocol gets the close, as for any lost connection."""
     transport.set_protocol(protocol)
@@ -120,14 +240,25 @@ def _discard(transport: asyncio.Transport, protocol: Any) -> None:
 
 
 class _ProbeReader(asyncio.Protocol):
-    """The new connection's protocol while the probe runs: feeds what arrives to the exchange."""
+    """The new connection's protocol while the probe runs: feeds what arrives to the exchange. Once the probe is
+    given up (`abandon`), it only notes whether anything arrives (`late_answer`)."""
 
     def __init__(self, exchange: ProbeExchange) -> None:
         self.exchange = exchange
         self.answered: asyncio.Future[ProbeAnswer] = asyncio.get_running_loop().create_future()
         self.extra = b""
+        self.received = 0
+        self.ended = False
+
+    def abandon(self) -> None:
+        self.answered.cancel()
+
+    def late_answer(self) -> bool | None:
+        """For the origin's watch: True once bytes arrived, False if the connection ended first, None meanwhile."""
+        return True if self.received else (False if self.ended else None)
 
     def _feed(self, data: bytes) -> None:
+        self.received += len(data)
         if self.answered.done():
             self.extra += data
             return
@@ -143,10 +274,13 @@ class _ProbeReader(asyncio.Protocol):
         self._feed(data)
 
     def eof_received(self) -> bool:
-        self._feed(b"")
+        self.ended = True
+        if not self.answered.done():
+            self._feed(b"")
         return True  # keep the transport open: the answer decides (its keep-alive), and _discard closes
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
         if not self.answered.done():
             self.answered.set_exception(
                 exc or ProbeProtocolError("the server closed the connection before answering GET /health")

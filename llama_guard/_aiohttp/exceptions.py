@@ -58,9 +58,12 @@ class FirstByteTimeout(_Account, GuardError, aiohttp.ServerTimeoutError):
 
 
 def probe_error(cls: type[ProbeTimeout | ProbeError], request: aiohttp.ClientRequest, message: str) -> Exception:
-    """A probe failure as aiohttp reports a failed connect: ``Cannot connect to host ... [message]``."""
+    """A probe failure as aiohttp reports a failed connect (a `aiohttp.ClientConnectorError`, with the message as
+    its ``strerror``), whose text is the probe's own message, not aiohttp's ``Cannot connect to host ...``."""
     code = errno.ETIMEDOUT if cls is ProbeTimeout else errno.ECONNABORTED
-    return cls(request.connection_key, OSError(code, message))
+    error = cls(request.connection_key, OSError(code, message))
+    error.__dict__["llama_guard_message"] = message  # replaced by the guard's account if it gives up
+    return error
 
 
 def failure_kind(exc: BaseException) -> FailureKind | None:

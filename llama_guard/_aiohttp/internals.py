@@ -74,10 +74,17 @@ def check_version() -> str | None:
 class ConnectionHooks:
     """What the guard does around a connector's creation of a new connection (see `hook_new_connections`)."""
 
-    def connecting(self, request: aiohttp.ClientRequest) -> None:
+    def connecting(self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout) -> Awaitable[Any]:
+        """Before the connection is opened (may wait for its turn); what it returns is handed to `finished`."""
         raise NotImplementedError
 
     def connected(self, request: aiohttp.ClientRequest, transport: Any) -> Awaitable[None]:
+        """The connection is open; raising fails the connect. An exception with a true ``connection_kept``
+        attribute leaves the transport open: the hooks own it from then on."""
+        raise NotImplementedError
+
+    def finished(self, request: aiohttp.ClientRequest, token: Any) -> None:
+        """The connect ended, however (the token of `connecting`)."""
         raise NotImplementedError
 
 
@@ -91,13 +98,17 @@ class _CreateConnection:
         self.hooks = hooks
 
     async def __call__(self, req: aiohttp.ClientRequest, traces: Any, timeout: Any) -> Any:
-        self.hooks.connecting(req)
-        protocol = await self.create(req, traces, timeout)
+        token = await self.hooks.connecting(req, timeout)
         try:
-            await self.hooks.connected(req, protocol.transport)
-        except BaseException:
-            protocol.close()
-            raise
+            protocol = await self.create(req, traces, timeout)
+            try:
+                await self.hooks.connected(req, protocol.transport)
+            except BaseException as exc:
+                if not getattr(exc, "connection_kept", False):
+                    protocol.close()
+                raise
+        finally:
+            self.hooks.finished(req, token)
         return protocol
 
 

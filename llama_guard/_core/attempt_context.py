@@ -14,7 +14,10 @@ from __future__ import annotations
 import contextvars
 from typing import Any, Protocol
 
+from .origin_probes import OriginProbes
 from .origins import Origin
+from .policy import GuardPolicy
+from .stats import GuardStats
 
 __all__ = ["CURRENT_ATTEMPT", "GuardedRequest"]
 
@@ -28,6 +31,12 @@ class GuardedRequest(Protocol):
     def origin(self) -> Origin: ...
     @property
     def probing(self) -> bool: ...
+    @property
+    def origin_probes(self) -> OriginProbes: ...
+    @property
+    def policy(self) -> GuardPolicy: ...
+    @property
+    def stats(self) -> GuardStats: ...
     def probe(self, stream: Any) -> Any: ...  # probes a new connection; a coroutine for async transports
     def connecting(self) -> None: ...
     def connected(self) -> None: ...

@@ -2,16 +2,72 @@
 
 Records name the method, the origin and the path of a request, never its query string (API keys travel there),
 its user info, its headers or its body.
+
+As the Python docs advise for a library, the logger has a `logging.NullHandler` and no other: an application
+that configures logging sees the guard's records; one that does not is not written to. A burst of stalled
+connections is one WARNING per origin and episode (`StallLog`); each reconnect is a DEBUG record.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 
-__all__ = ["describe_request", "logger", "without_quoted_values"]
+from .origins import Origin
+
+__all__ = ["EPISODE_SECONDS", "STALL_LOG", "StallLog", "describe_request", "logger", "without_quoted_values"]
 
 logger = logging.getLogger("llama_guard")
+logger.addHandler(logging.NullHandler())
+
+# A stall episode: the reconnects of one burst come within a few probe deadlines; their WARNING follows this long
+# after the first of them.
+EPISODE_SECONDS = 2.0
+
+
+class StallLog:
+    """Stalled connections replaced, counted per origin and logged once per episode: the first replacement opens
+    an episode, and ``episode`` seconds later one WARNING says how many there were (a timer thread, so that the
+    line comes even if the process sends nothing more)."""
+
+    def __init__(self, episode: float = EPISODE_SECONDS) -> None:
+        self._episode = episode
+        self._lock = threading.Lock()
+        self._counts: dict[Origin, int] = {}
+        self._timers: dict[Origin, threading.Timer] = {}
+
+    def replaced(self, origin: Origin, detail: str) -> None:
+        """One stalled connection to ``origin`` is being replaced; ``detail``: the DEBUG record's text."""
+        logger.debug("%s", detail)
+        with self._lock:
+            self._counts[origin] = self._counts.get(origin, 0) + 1
+            if origin in self._timers:
+                return
+            timer = self._timers[origin] = threading.Timer(self._episode, self.flush, args=(origin,))
+            timer.daemon = True
+        timer.start()
+
+    def flush(self, origin: Origin | None = None) -> None:
+        """Log the episode of ``origin`` now (of every origin if None), and end it."""
+        with self._lock:
+            origins = list(self._counts) if origin is None else [origin]
+            ended = [(item, self._counts.pop(item, 0), self._timers.pop(item, None)) for item in origins]
+        for item, count, timer in ended:
+            if timer is not None:
+                timer.cancel()
+            if count:
+                logger.warning(
+                    "replaced %d stalled connection%s to %s in the last %g s (llama-server before b11737 did not read "
+                    "them; no request was lost; each one at DEBUG level on the 'llama_guard' logger)",
+                    count,
+                    "" if count == 1 else "s",
+                    item,
+                    self._episode,
+                )
+
+
+STALL_LOG = StallLog()
 
 
 def describe_request(method: str, scheme: str, host: str, port: int | None, path: str) -> str:

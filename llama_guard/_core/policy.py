@@ -14,12 +14,14 @@ from typing import Any, Literal, TypeAlias
 
 from .origins import Origin, parse_origin
 
-__all__ = ["GuardPolicy", "OriginsSetting", "StreamMode"]
+__all__ = ["AdmissionMode", "GuardPolicy", "OriginsSetting", "StreamMode"]
 
 StreamMode: TypeAlias = Literal["close", "drop", "off"]
+AdmissionMode: TypeAlias = Literal["after_stall", "always", "off"]
 OriginsSetting: TypeAlias = Literal["all", "auto"] | tuple[Origin, ...]
 
 _STREAM_MODES: tuple[str, ...] = ("close", "drop", "off")
+_ADMISSION_MODES: tuple[str, ...] = ("after_stall", "always", "off")
 # Fields that describe the transport as a whole; a single request cannot change which servers are llama-server.
 _TRANSPORT_WIDE = frozenset({"origins"})
 
@@ -97,6 +99,17 @@ class GuardPolicy:
             request waits as long again, and each probe after that twice as long, up to ``probe_timeout_max``
             (0.5, 0.5, 1, 2, 4 s with the defaults).
         probe_timeout_max: the cap on the probe deadline (default 4.0 seconds).
+        probe_learning: learn the first probe's deadline per origin from the probe answers seen (default True):
+            once 4 probes of an origin were answered, a first probe waits ``probe_learning_factor`` times the
+            slowest of the last 64 answers, at least ``probe_timeout_min``, at most ``probe_timeout``. False: always
+            ``probe_timeout``.
+        probe_learning_factor: the safety factor over the slowest recent answer (default 4.0; at least 1).
+        probe_timeout_min: the floor of the learnt deadline (default 0.05 seconds; ``probe_timeout`` wins if lower).
+        connect_admission: when new connections to an origin are opened and probed one at a time, each waiting until
+            the previous one's probe was answered or given up. ``"after_stall"`` (default): for 5 s after a probe of
+            that origin was given up, so that reconnects do not reach the server as a new burst. ``"always"``: for
+            every new connection, which also keeps a burst of lazily opened connections from stalling, at the cost of
+            one connect and probe round trip per connection in a burst. ``"off"``: never.
         max_attempts: attempts per request, the first included (default 4; 1 disables retries).
         max_retry_time: no new attempt starts this many seconds after the first began (default 60.0; None for
             no limit other than ``max_attempts``).
@@ -115,6 +128,10 @@ class GuardPolicy:
     probe: bool = True
     probe_timeout: float = 0.5
     probe_timeout_max: float = 4.0
+    probe_learning: bool = True
+    probe_learning_factor: float = 4.0
+    probe_timeout_min: float = 0.05
+    connect_admission: AdmissionMode = "after_stall"
     max_attempts: int = 4
     max_retry_time: float | None = 60.0
     backoff: float = 0.05
@@ -135,6 +152,16 @@ class GuardPolicy:
         if self.probe_timeout_max < self.probe_timeout:
             raise ValueError(
                 f"probe_timeout_max must be >= probe_timeout ({self.probe_timeout!r}); got {self.probe_timeout_max!r}"
+            )
+        _check_bool("probe_learning", self.probe_learning)
+        _check_seconds("probe_timeout_min", self.probe_timeout_min, allow_none=False, allow_zero=False)
+        factor = self.probe_learning_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1000:
+            raise ValueError(f"probe_learning_factor must be a number from 1 to 1000; got {factor!r}")
+        if self.connect_admission not in _ADMISSION_MODES:
+            raise ValueError(
+                f"connect_admission must be one of {', '.join(map(repr, _ADMISSION_MODES))}; "
+                f"got {self.connect_admission!r}"
             )
         _check_int("max_attempts", self.max_attempts, minimum=1, maximum=100)
         _check_seconds("max_retry_time", self.max_retry_time, allow_none=True, allow_zero=True)

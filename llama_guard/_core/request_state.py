@@ -8,6 +8,7 @@ attempt's request and body, and exception classes.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import tenacity
@@ -21,7 +22,8 @@ from .decisions import (
     verdict_for_failure,
     verdict_for_status,
 )
-from .log import describe_request, logger
+from .log import STALL_LOG, describe_request, logger
+from .origin_probes import PROBE_BOOK, GivenUpProbe, OriginProbes, ProbeBook
 from .origins import Origin
 from .policy import GuardPolicy
 from .probe import probe_deadline
@@ -65,9 +67,11 @@ class RequestState:
     __slots__ = (
         "_kind",
         "_origin",
+        "_origin_probes",
         "attempt_timeouts",
         "attempts",
         "body",
+        "book",
         "close_connection",
         "closed_by_header",
         "deadline_applied",
@@ -75,6 +79,8 @@ class RequestState:
         "first_byte",
         "history",
         "policy",
+        "probe_deadline_used",
+        "probe_number",
         "prober",
         "reconnects",
         "request",
@@ -101,11 +107,17 @@ class RequestState:
         body: bytes | None,
         stream: bool,
         started: float,
+        book: ProbeBook | None = None,
     ) -> None:
         """``body``: the request's bytes if held in memory; ``stream``: whether it asks for ``"stream": true``;
-        ``started``: when the guard received the request (``time.monotonic()``)."""
+        ``started``: when the guard received the request (``time.monotonic()``); ``book``: what the guard knows of
+        probing each origin (default: the process's, `PROBE_BOOK`)."""
         self.request = request
         self._origin = origin
+        self._origin_probes: OriginProbes | None = None
+        self.book = book if book is not None else PROBE_BOOK
+        self.probe_deadline_used = policy.probe_timeout
+        self.probe_number = 0
         self.policy = policy
         self.stats = stats
         self.prober = prober
@@ -139,6 +151,14 @@ class RequestState:
         if self._origin is None:
             self._origin = Origin.of_url(self.request.url)
         return self._origin
+
+    @property
+    def origin_probes(self) -> OriginProbes:
+        """The probe deadline in force and the admission of new connections for this request's origin."""
+        probes = self._origin_probes
+        if probes is None:
+            probes = self._origin_probes = self.book.of(self.origin)
+        return probes
 
     @property
     def description(self) -> str:
@@ -213,22 +233,45 @@ class RequestState:
                 extensions["timeout"] = timeouts
         return extensions
 
-    def next_probe_deadline(self) -> float:
-        deadline = probe_deadline(
-            self.failed_probes, first=self.policy.probe_timeout, cap=self.policy.probe_timeout_max
-        )
+    def next_probe_deadline(self, first: float | None = None) -> float:
+        """The deadline of this request's next probe; ``first``: the deadline in force for a first probe, if known
+        (else asked of the origin's `OriginProbes`)."""
+        if first is None:
+            first = self.origin_probes.deadline(self.policy)
+        deadline = probe_deadline(self.failed_probes, first=first, cap=self.policy.probe_timeout_max)
         # The probe reads like any response: never wait longer than the caller's own read timeout allows.
         caller_read = self.user_timeouts.get("read")
         if caller_read is not None and caller_read < deadline:
             deadline = caller_read
-        return min(deadline, MAX_SOCKET_WAIT)
+        deadline = min(deadline, MAX_SOCKET_WAIT)
+        self.probe_deadline_used = deadline
+        return deadline
+
+    def probe_started(self) -> None:
+        self.probe_number = self.origin_probes.probe_started()
 
     def probe_answered(self, seconds: float) -> None:
         self.stats.record_probe(seconds, answered=True)
+        self.origin_probes.probe_answered(seconds, self.probe_number)
 
     def probe_failed(self, seconds: float) -> None:
+        """The probe failed with an error."""
         self.failed_probes += 1
         self.stats.record_probe(seconds, answered=False)
+        self.origin_probes.probe_failed(self.probe_number)
+
+    def probe_abandoned(self) -> None:
+        """The probe was cancelled with its request: neither answered nor failed."""
+        self.origin_probes.probe_failed(self.probe_number)
+
+    def probe_given_up(self, seconds: float, peek: Callable[[], bool | None]) -> GivenUpProbe:
+        """The probe's deadline passed; ``peek`` looks at its connection, kept half closed to see whether it is
+        answered late (`OriginProbes.probe_given_up`): the adapter closes it once the returned watch is settled."""
+        self.failed_probes += 1
+        self.stats.record_probe(seconds, answered=False, given_up=True)
+        return self.origin_probes.probe_given_up(
+            self.probe_number, peek, self.stats, time.monotonic() - seconds, watch=self.policy.probe_timeout_max
+        )
 
     def probe_closed(self, status: int) -> bool:
         """The server answered the probe with ``status`` and closed the connection: that connection is lost. True
@@ -325,11 +368,11 @@ class RequestState:
             return 0.0
         if verdict.delay is not None:
             return verdict.delay
-        # Full jitter. Stalled connections come back over a window as wide as the probe deadline (measured on
-        # b11434: reconnects spread over less reach the server as a new burst and stall again).
+        # Full jitter. Stalled connections come back over a window as wide as the probe deadline in force (measured
+        # on b11434: reconnects spread over less reach the server as a new burst and stall again).
         policy = self.policy
         if verdict.stall:
-            multiplier = max(policy.backoff, policy.probe_timeout)
+            multiplier = max(policy.backoff, self.probe_deadline_used)
         elif verdict.status:
             # A 503 without Retry-After: llama-server loading a model, which takes seconds, not milliseconds.
             multiplier = max(policy.backoff, STATUS_BACKOFF)
@@ -340,14 +383,17 @@ class RequestState:
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         stall = self.verdict is not None and self.verdict.stall
         self.stats.add(retries=1, stall_reconnects=int(stall))
-        logger.warning(
-            "retrying %s (attempt %d of %d) in %.2f s after %s",
+        message = "retrying %s (attempt %d of %d) in %.2f s after %s" % (  # noqa: UP031 (the logging style)
             self.description,
             self.attempts + 1,
             self.policy.max_attempts,
             state.upcoming_sleep,
             self.history[-1].partition(": ")[2] if self.history else "a failure",
         )
+        if stall:
+            STALL_LOG.replaced(self.origin, message)  # one WARNING per burst, each reconnect at DEBUG
+        else:
+            logger.warning("%s", message)
 
     # -- the end ---------------------------------------------------------------------------------------------------
 

@@ -114,9 +114,16 @@ class StatsSnapshot:
     stream_connections_closed: int
     probes_sent: int
     probes_failed: int
+    # Probes whose deadline passed (counted in probes_failed too), and of those, the ones whose answer arrived
+    # afterwards all the same: false alarms, the connection was being served, only late.
+    probes_given_up: int = 0
+    probes_answered_late: int = 0
+    # New connections that waited for their turn to be opened (connect_admission), and how long they waited.
+    admission_waits: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     first_byte: LatencySummary | None = None
     probe_latency: LatencySummary | None = None
+    admission_wait: LatencySummary | None = None
     # Why the guard follows requests through httpcore's public trace extension instead of its hooks on the pool
     # (an httpcore/httpx version it was not tested with, or a pool out of reach); None when the hooks are in place.
     public_path: str | None = None
@@ -137,12 +144,16 @@ class StatsSnapshot:
                 "stream_connections_closed",
                 "probes_sent",
                 "probes_failed",
+                "probes_given_up",
+                "probes_answered_late",
+                "admission_waits",
             )
         }
         data["errors"] = dict(self.errors)
         # `is not None`: an empty summary is false, and still a summary (count 0).
         data["first_byte"] = self.first_byte.as_dict() if self.first_byte is not None else None
         data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency is not None else None
+        data["admission_wait"] = self.admission_wait.as_dict() if self.admission_wait is not None else None
         data["public_path"] = self.public_path
         data["probing_off"] = self.probing_off
         return data
@@ -174,6 +185,10 @@ class GuardStats:
             self.stream_connections_closed = 0
             self.probes_sent = 0
             self.probes_failed = 0
+            self.probes_given_up = 0
+            self.probes_answered_late = 0
+            self.admission_waits = 0
+            self.admission_wait = LatencyHistogram()
             self.errors: Counter[str] = Counter()
             self.first_byte = LatencyHistogram()
             self.probe_latency = LatencyHistogram()
@@ -203,13 +218,20 @@ class GuardStats:
         finally:
             lock.release()
 
-    def record_probe(self, seconds: float, *, answered: bool) -> None:
+    def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False) -> None:
+        """A probe ended: answered in ``seconds``, or failed (``given_up``: its deadline passed)."""
         with self._lock:
             self.probes_sent += 1
             if answered:
                 self.probe_latency.record(seconds)
             else:
                 self.probes_failed += 1
+                self.probes_given_up += given_up
+
+    def record_admission_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.admission_waits += 1
+            self.admission_wait.record(seconds)
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
@@ -222,9 +244,13 @@ class GuardStats:
                 stream_connections_closed=self.stream_connections_closed,
                 probes_sent=self.probes_sent,
                 probes_failed=self.probes_failed,
+                probes_given_up=self.probes_given_up,
+                probes_answered_late=self.probes_answered_late,
+                admission_waits=self.admission_waits,
                 errors=dict(self.errors),
                 first_byte=self.first_byte.summary(),
                 probe_latency=self.probe_latency.summary(),
+                admission_wait=self.admission_wait.summary(),
                 public_path=self.public_path,
                 probing_off=self.probing_off,
             )
@@ -238,5 +264,7 @@ class GuardStats:
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "
             f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
-            f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed}{probing} errors={snap.errors}{latency}>"
+            f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} "
+            f"probes_given_up={snap.probes_given_up} probes_answered_late={snap.probes_answered_late} "
+            f"admission_waits={snap.admission_waits}{probing} errors={snap.errors}{latency}>"
         )

@@ -19,11 +19,14 @@ are its own, unwrapped (an https connection only until its TLS handshake).
 
 from __future__ import annotations
 
+import functools
+import time
 from typing import Any
 
 import httpcore
 
 from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
+from .._core.turns import AsyncTurn
 from .attempts import AttemptBody
 from .internals import network_backend, remove_instance_method, set_instance_method, set_network_backend
 
@@ -106,20 +109,55 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
         run = CURRENT_ATTEMPT.get()
-        if run is not None:
-            run.connecting()
-        stream = await self._backend.connect_tcp(
-            host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-        )
         if run is None:
-            return stream
+            return await self._backend.connect_tcp(
+                host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+            )
+        run.connecting()
         # Probe only a connection to the origin itself: through an HTTP proxy the connection is the proxy's.
-        if run.probing and host == run.request.url.host and port == run.origin.port:
-            if run.request.url.scheme == "https":
-                return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
-            await run.probe(stream)  # closes the stream and raises if the probe fails
+        probing = run.probing and host == run.request.url.host and port == run.origin.port
+        # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
+        # probe comes after httpcore's TLS handshake, outside this call.
+        ticket = await self._admission(run, timeout) if probing and run.request.url.scheme == "http" else None
+        try:
+            stream = await self._backend.connect_tcp(
+                host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
+            )
+            if probing:
+                if run.request.url.scheme == "https":
+                    return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
+                await run.probe(stream)  # raises if the probe fails (the stream is then the probe's to close)
+        finally:
+            if ticket is not None:
+                run.origin_probes.leave(ticket)
         run.connected()
         return stream
+
+    async def _admission(self, run: GuardedRequest, timeout: float | None) -> int | None:
+        """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the ticket to
+        hand back (`OriginProbes.leave`) once it is probed, or None. The wait is part of the connect: the caller's
+        connect ``timeout`` bounds it."""
+        probes = run.origin_probes
+        if not probes.admission_needed(run.policy):
+            return None
+        # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop
+        # that runs: the turn is made here, in the waiter's own, and woken thread-safely (_core/turns.py).
+        turn = AsyncTurn()
+        ticket = probes.take_ticket(turn)
+        if probes.admit(ticket):
+            return ticket
+        started = time.monotonic()
+        try:
+            if not await turn.wait_until(functools.partial(probes.admit, ticket), timeout):
+                raise httpcore.ConnectTimeout(
+                    f"waited {timeout:g} s (the connect timeout) for the other new connections to "
+                    f"{probes.origin} to be probed first (connect_admission)"
+                )
+        except BaseException:  # timed out or cancelled while waiting: give the place up
+            probes.leave(ticket)
+            raise
+        run.stats.record_admission_wait(time.monotonic() - started)
+        return ticket
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Any = None

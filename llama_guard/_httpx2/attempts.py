@@ -14,6 +14,7 @@ import httpx2 as httpx
 
 from .._core.decisions import FailureKind, ProgressTracker, wants_stream
 from .._core.log import without_quoted_values
+from .._core.origin_probes import ProbeBook
 from .._core.origins import Origin
 from .._core.policy import GuardPolicy
 from .._core.request_state import Prober, RequestState
@@ -91,12 +92,13 @@ class FirstAttempt(AttemptBody):
     deadline, no ``Connection: close`` to add (see the transport).
     """
 
-    __slots__ = ("_origin", "_policy", "_prober", "_request", "_started", "_stats", "_wants_stream")
+    __slots__ = ("_book", "_origin", "_policy", "_prober", "_request", "_started", "_stats", "_wants_stream")
 
     def __init__(
         self,
         stats: GuardStats,
         prober: Prober,
+        book: ProbeBook,
         request: httpx.Request,
         origin: Origin | None,
         policy: GuardPolicy,
@@ -109,6 +111,7 @@ class FirstAttempt(AttemptBody):
         self._stream = request.stream
         self._stats = stats
         self._prober = prober
+        self._book = book
         self._request = request
         self._origin = origin
         self._policy = policy
@@ -128,6 +131,7 @@ class FirstAttempt(AttemptBody):
                 stream=self._wants_stream,
                 user_stream=self._stream,
                 started=self._started,
+                book=self._book,
             )
             run.adopt_first_attempt(self)
         return run
@@ -173,9 +177,10 @@ class RequestRun(RequestState):
         stream: bool,
         user_stream: Any,
         started: float,
+        book: ProbeBook,
     ) -> None:
         """``body``, ``stream``: `request_body(request)`; ``user_stream``: the caller's ``request.stream``."""
-        super().__init__(request, origin, policy, stats, prober, body=body, stream=stream, started=started)
+        super().__init__(request, origin, policy, stats, prober, body=body, stream=stream, started=started, book=book)
         self.user_stream = user_stream
 
     def begin_attempt(self, trace: Any) -> httpx.Request:

@@ -7,6 +7,8 @@ that the generated file is current. Keep the I/O here and every decision in the 
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from typing import Any, NoReturn
 
@@ -15,7 +17,8 @@ import httpx2 as httpx
 import tenacity
 
 from .._core.decisions import first_attempt_goes_as_is
-from .._core.log import logger
+from .._core.log import STALL_LOG, logger
+from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, GivenUpProbe
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -34,7 +37,7 @@ from .internals import (
     hookable_pool,
     streaming_check,
 )
-from .._httpx.sockets import shutdown_connection
+from .._httpx.sockets import answer_waiting, finish_writing, shutdown_connection
 
 __all__ = ["GuardTransport"]
 
@@ -77,6 +80,10 @@ class GuardTransport(httpx.BaseTransport):
         self._policy = policy if policy is not None else GuardPolicy()
         self.stats = stats if stats is not None else GuardStats()
         self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
+        # Learnt probe deadlines and connection admission, per origin: the process's, shared by every transport.
+        self._book = PROBE_BOOK
+        # Connections whose probe was given up, kept open a while to see whether the answer comes after all.
+        self._given_up = _AsyncGivenUpProbes()
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
         # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
@@ -121,6 +128,8 @@ class GuardTransport(httpx.BaseTransport):
         return self
 
     def close(self) -> None:
+        self._given_up.close(everything=True)
+        STALL_LOG.flush()
         self._transport.close()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
@@ -151,12 +160,15 @@ class GuardTransport(httpx.BaseTransport):
                 stream=stream,
                 user_stream=request.stream,
                 started=started,
+                book=self._book,
             )
             return self._guarded(run)
 
         # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
         # (FirstAttempt). Most requests are answered here, on a pooled connection.
-        first = FirstAttempt(self.stats, self._probe_connection, request, origin, policy, body, stream, started)
+        first = FirstAttempt(
+            self.stats, self._probe_connection, self._book, request, origin, policy, body, stream, started
+        )
         user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
         request.stream = first
         try:
@@ -304,9 +316,10 @@ class GuardTransport(httpx.BaseTransport):
         """Ask a new connection for ``GET /health`` before the real request is written to it.
 
         Runs inside httpcore's connect, from the pool's network backend (``_async_network.py``) or the ``trace``
-        extension, with the new network stream. On failure the
-        stream is closed here (httpcore has not stored it yet) and the error fails the connect, so the connection
-        never enters the pool and the request is retried on a fresh one.
+        extension, with the new network stream. On failure the error fails the connect, so the connection never
+        enters the pool and the request is retried on a fresh one; the stream is closed here (httpcore has not
+        stored it yet), or, when the probe was given up, kept half closed a while to see whether it is answered
+        late (`_AsyncGivenUpProbes`).
         """
         if run.origin in self._unprobeable:
             return
@@ -314,21 +327,32 @@ class GuardTransport(httpx.BaseTransport):
         if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
             return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
         exchange = ProbeExchange(run.host_header)
+        run.probe_started()
+        self._given_up.close()
         deadline = run.next_probe_deadline()
         started = time.monotonic()
         try:
             stream.write(exchange.request_bytes(), timeout=deadline)
             answer = None
             while answer is None:
+                # The deadline in force may change while this probe waits: other probes of the origin are answered.
+                deadline = run.next_probe_deadline()
                 remaining = deadline - (time.monotonic() - started)
                 if remaining <= 0:
                     raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
-                answer = exchange.feed(stream.read(65536, timeout=remaining))
+                try:
+                    data = stream.read(65536, timeout=min(remaining, PROBE_SLICE))
+                except httpcore.ReadTimeout:
+                    run.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
+                    self._given_up.close()
+                    continue
+                answer = exchange.feed(data)
         except httpcore.TimeoutException as exc:
-            stream.close()
-            run.probe_failed(time.monotonic() - started)
+            finish_writing(stream)  # a server that reads it after all answers and closes: it holds no server thread
+            watch = run.probe_given_up(time.monotonic() - started, functools.partial(answer_waiting, stream))
+            self._given_up.keep(watch, stream)
             raise ProbeTimeout(
-                f"new connection to {run.origin} did not answer GET /health within {deadline:g} s: the server is "
+                f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
                 request=run.request,
             ) from exc
@@ -340,6 +364,7 @@ class GuardTransport(httpx.BaseTransport):
             ) from exc
         except BaseException:
             stream.close()
+            run.probe_abandoned()
             raise
         if answer.keep_alive:
             run.probe_answered(time.monotonic() - started)
@@ -400,6 +425,32 @@ class _SyncTracer:
             self._prober(info["return_value"], run)
         if self._user_trace is not None:
             self._user_trace(event, info)
+
+
+class _AsyncGivenUpProbes:
+    """This transport's connections whose probe was given up, kept open (half closed) while their origin watches
+    for a late answer (`GivenUpProbe`), closed once it has settled, and all when the transport closes."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[GivenUpProbe, Any]] = []
+        self._lock = threading.Lock()  # sync transports serve many threads; held for no I/O
+
+    def keep(self, watch: GivenUpProbe, stream: Any) -> None:
+        with self._lock:
+            self._kept.append((watch, stream))
+
+    def close(self, *, everything: bool = False) -> None:
+        """Close the connections whose watch has settled (all of them when ``everything``)."""
+        if not self._kept:
+            return
+        with self._lock:
+            done = [stream for watch, stream in self._kept if watch.settled or everything]
+            if everything:
+                for watch, _ in self._kept:
+                    watch.settled = True
+            self._kept = [(watch, stream) for watch, stream in self._kept if not watch.settled]
+        for stream in done:
+            stream.close()
 
 
 class _SyncDropAfterStream(httpx.SyncByteStream):

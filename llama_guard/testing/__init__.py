@@ -23,12 +23,16 @@ Example::
         server.inject(Fault.RESET_MID_STREAM, path="/v1/chat/completions")
         ...  # point a client at server.url
         assert server.stats().completions_started == 1
+
+The guard learns each origin's probe deadline process-wide (from the answers it has seen): between tests whose
+servers share a port, call :func:`reset_probe_learning`.
 """
 
 from ._burst import AsyncPreopenedBackend, PreopenedBackend, async_burst_transport, burst_transport, open_burst
 from ._config import EmulatorConfig
 from ._emulator import HeldConnection, LlamaServerEmulator
 from ._faults import Fault, FaultRule
+from ._probe_learning import reset_probe_learning
 from ._real_server import LLAMA_SERVER_BUILD, RealLlamaServer, RealServerError, find_llama_server, free_port
 from ._responses import generated_text
 from ._stats import ConnectionWait, EmulatorStats
@@ -54,4 +58,5 @@ __all__ = [
     "HeldConnection",
     "LlamaServerEmulator",
     "generated_text",
+    "reset_probe_learning",
 ]

@@ -1,0 +1,283 @@
+"""What the guard learns about probing one origin: the probe deadline in force, and admission of new connections.
+
+Sans-I/O: an adapter (httpx, aiohttp) asks this module for a deadline and a turn, does the I/O itself, and reports
+what happened. One `OriginProbes` per origin, shared by every transport of the process through `PROBE_BOOK`: the
+answer time of ``GET /health`` is the server's, and a burst that stalls a server is made of the connections of
+every client in the process, not of one pool.
+
+The deadline (see docs/how-it-works.md): once ``LEARN_AFTER`` probes of the origin were answered, a first probe
+waits ``factor`` times the slowest of the last ``WINDOW`` answers, at least ``probe_timeout_min`` and at most the
+configured ``probe_timeout``. A busy server answers late and its answers raise the deadline; a stalled connection
+never answers and teaches nothing. A probe given up on whose answer still arrives (``probe_answered_late``) counts
+as an answer of that latency, so one false alarm lifts the deadline above it.
+
+Late answers (`GivenUpProbe`): a connection given up on is kept, half closed, and looked at without reading
+(``peek``, the adapter's I/O) whenever a probe of the origin starts, waits a slice, or is answered. An answer seen
+there counts as late (a false alarm: the server was serving it, only slowly) unless a connection opened after the
+give-up was being probed meanwhile: cpp-httplib serves waiting connections oldest first, so the thread it starts for
+a new connection first answers the stalled ones, just before the new one; such an answer proves nothing about load.
+The count is so a lower bound of false alarms (a server's own count of ``GET /health`` is the exact one).
+
+Admission: while a probe of the origin was given up within ``RECOVERY_WINDOW`` seconds (``"after_stall"``), or
+always (``"always"``), new connections to it are opened and probed one at a time, in the order they asked: the
+next connection is opened once the previous one's probe was answered or given up. Reconnects after a stall then
+reach the server one by one instead of as a new burst. A waiting connection sleeps until woken (`turns.Turn`): the
+connection that frees the turn wakes the one now first in the queue, in whatever thread or event loop it waits.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .origins import Origin
+from .policy import GuardPolicy
+from .stats import GuardStats
+from .turns import Turn
+
+__all__ = [
+    "LEARN_AFTER",
+    "PROBE_BOOK",
+    "PROBE_SLICE",
+    "RECOVERY_WINDOW",
+    "WINDOW",
+    "GivenUpProbe",
+    "OriginProbes",
+    "ProbeBook",
+]
+
+# Answers needed before the learnt deadline replaces the configured one, and how many recent answers it looks at.
+LEARN_AFTER = 4
+WINDOW = 64
+# How long after a probe was given up new connections to its origin keep being admitted one at a time.
+RECOVERY_WINDOW = 5.0
+# A probe in progress looks at the deadline in force this often, so that answers seen meanwhile (the healthy
+# connections of the same burst) shorten its wait.
+PROBE_SLICE = 0.02
+
+
+@dataclass(eq=False)
+class GivenUpProbe:
+    """A connection whose probe was given up, watched for a late answer. The adapter that gave it up closes the
+    connection once ``settled``."""
+
+    peek: Callable[[], bool | None]  # True: bytes wait to be read; False: closed or reset; None: nothing yet
+    stats: GuardStats  # of the transport that gave it up
+    started: float  # when its probe was sent
+    watch_until: float
+    newer_than: int  # probes of the origin started before the give-up: an answer to a later one may drain this
+    looked_at: float  # the last look that found nothing
+    settled: bool = False
+    answered_late: bool = False
+
+
+class OriginProbes:
+    """The probe state of one origin; thread-safe (sync transports share it between threads)."""
+
+    __slots__ = (
+        "_admitted",
+        "_answers",
+        "_given_up",
+        "_in_progress",
+        "_last_given_up",
+        "_lock",
+        "_next_ticket",
+        "_probes_pending",
+        "_probes_started",
+        "_queue",
+        "_recent_answers",
+        "_turns",
+        "origin",
+    )
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+        self._lock = threading.Lock()
+        self._answers: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        # (when, probe number) of recent answers: tells an answer drained by a newer connection.
+        self._recent_answers: collections.deque[tuple[float, int]] = collections.deque(maxlen=WINDOW)
+        self._probes_started = 0
+        self._probes_pending: set[int] = set()
+        self._given_up: list[GivenUpProbe] = []
+        self._last_given_up = -RECOVERY_WINDOW
+        self._queue: collections.deque[int] = collections.deque()
+        self._turns: dict[int, Turn] = {}  # how to wake each waiting ticket
+        self._in_progress: set[int] = set()
+        self._next_ticket = 0
+        self._admitted = 0
+
+    # -- the deadline ----------------------------------------------------------------------------------------------
+
+    def deadline(self, policy: GuardPolicy) -> float:
+        """The deadline in force for a first probe: learnt from the answers seen, or the configured one."""
+        configured = policy.probe_timeout
+        if not policy.probe_learning:
+            return configured
+        with self._lock:
+            if len(self._answers) < LEARN_AFTER:
+                return configured
+            slowest = max(self._answers)
+        return min(max(slowest * policy.probe_learning_factor, policy.probe_timeout_min), configured)
+
+    def answers_seen(self) -> int:
+        """Answers the deadline is learnt from (late answers included)."""
+        with self._lock:
+            return len(self._answers)
+
+    def probe_started(self) -> int:
+        """A probe of a new connection is sent: its number, for `probe_answered`."""
+        self.check_given_up()
+        with self._lock:
+            self._probes_started += 1
+            self._probes_pending.add(self._probes_started)
+            return self._probes_started
+
+    def probe_answered(self, seconds: float, number: int) -> None:
+        """The probe ``number`` (from `probe_started`) was answered in ``seconds``."""
+        self.check_given_up()
+        with self._lock:
+            self._probes_pending.discard(number)
+            self._answers.append(seconds)
+            self._recent_answers.append((time.monotonic(), number))
+
+    def probe_failed(self, number: int) -> None:
+        """The probe ``number`` failed with an error (a given-up one: `probe_given_up`)."""
+        with self._lock:
+            self._probes_pending.discard(number)
+
+    def probe_given_up(
+        self, number: int, peek: Callable[[], bool | None], stats: GuardStats, started: float, *, watch: float
+    ) -> GivenUpProbe:
+        """The probe ``number``'s deadline passed without an answer: the origin is recovering from a stall. ``peek``
+        looks at the connection, kept half closed, for up to ``watch`` seconds after the probe was sent (an answer
+        later than any probe of the guard would wait for is no false alarm), until the returned watch is settled;
+        then the adapter closes it."""
+        now = time.monotonic()
+        with self._lock:
+            self._probes_pending.discard(number)
+            self._last_given_up = now
+            given_up = GivenUpProbe(peek, stats, started, started + watch, self._probes_started, now)
+            self._given_up.append(given_up)
+        return given_up
+
+    def check_given_up(self) -> None:
+        """Look at the connections given up on: count late answers, settle what needs watching no longer."""
+        if not self._given_up:
+            return
+        now = time.monotonic()
+        with self._lock:
+            watches, self._given_up = self._given_up, []
+            recent = list(self._recent_answers)
+            newest_pending = max(self._probes_pending, default=0)
+        pending = []
+        for watch in watches:
+            if watch.settled:  # by its transport, which closed
+                continue
+            waiting = watch.peek()
+            if waiting is None and now < watch.watch_until:
+                watch.looked_at = now
+                pending.append(watch)
+                continue
+            # Was a connection opened after the give-up being probed since the last look? Then that connection's
+            # thread may have answered this one on its way.
+            drained = newest_pending > watch.newer_than or any(
+                when >= watch.looked_at and number > watch.newer_than for when, number in recent
+            )
+            if waiting and not drained:
+                watch.answered_late = True
+                watch.stats.add(probes_answered_late=1)
+                with self._lock:
+                    self._answers.append(now - watch.started)  # it came since the last look: at most this late
+            watch.settled = True
+        if pending:
+            with self._lock:
+                self._given_up.extend(pending)
+
+    # -- admission ---------------------------------------------------------------------------------------------------
+
+    def recovering(self) -> bool:
+        return time.monotonic() - self._last_given_up < RECOVERY_WINDOW
+
+    def admission_needed(self, policy: GuardPolicy) -> bool:
+        """Whether a new connection must take its turn (`take_ticket`, `admit`, `leave`) before it is opened."""
+        mode = policy.connect_admission
+        return mode == "always" or (mode == "after_stall" and self.recovering())
+
+    def take_ticket(self, turn: Turn) -> int:
+        """A place in the queue of connections waiting to be opened; `admit` says when it is this one's turn.
+        ``turn`` is woken whenever it may have come (made by the waiter, in its own thread or event loop)."""
+        with self._lock:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._queue.append(ticket)
+            self._turns[ticket] = turn
+            return ticket
+
+    def admit(self, ticket: int) -> bool:
+        """True (once) when ``ticket`` may open its connection: it is first in the queue and no other connection
+        to the origin is being opened and probed. `leave` must follow, whatever happens."""
+        with self._lock:
+            if self._in_progress or not self._queue or self._queue[0] != ticket:
+                return False
+            self._queue.popleft()
+            self._turns.pop(ticket, None)
+            self._in_progress.add(ticket)
+            self._admitted += 1
+            return True
+
+    def leave(self, ticket: int) -> None:
+        """The connection of ``ticket`` is probed (answered or given up), failed, or its request was cancelled (or
+        its wait timed out): the connection now first in the queue is woken, its turn may have come."""
+        with self._lock:
+            if ticket in self._in_progress:
+                self._in_progress.discard(ticket)
+            else:
+                self._turns.pop(ticket, None)
+                with contextlib.suppress(ValueError):
+                    self._queue.remove(ticket)
+            turn = self._turns.get(self._queue[0]) if self._queue and not self._in_progress else None
+        if turn is not None:
+            turn.wake()  # outside the lock: an asyncio or trio waker schedules a call on the waiter's loop
+
+    def opening(self) -> int:
+        """Connections admitted and not yet probed (for tests and stats)."""
+        with self._lock:
+            return len(self._in_progress)
+
+    def admitted(self) -> int:
+        """Connections admitted so far, after a wait or not (for tests)."""
+        with self._lock:
+            return self._admitted
+
+    def waiting(self) -> int:
+        """Connections waiting for their turn (for tests and stats)."""
+        with self._lock:
+            return len(self._queue)
+
+
+class ProbeBook:
+    """`OriginProbes` by origin, created on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._origins: dict[Origin, OriginProbes] = {}
+
+    def of(self, origin: Origin) -> OriginProbes:
+        probes = self._origins.get(origin)  # a dict lookup is atomic in CPython: the lock only guards creation
+        if probes is None:
+            with self._lock:
+                probes = self._origins.setdefault(origin, OriginProbes(origin))
+        return probes
+
+    def forget(self) -> None:
+        """Drop everything learnt (tests; a process that points the same origin at a different server)."""
+        with self._lock:
+            self._origins.clear()
+
+
+# The process's book: transports share it unless given their own.
+PROBE_BOOK = ProbeBook()
