@@ -17,7 +17,8 @@ import pytest
 import llama_guard
 from llama_guard import GuardPolicy, Origin
 from llama_guard._core.log import STALL_LOG
-from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_BOOK, OriginProbes
+from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_BOOK, OriginProbes, ProbeBook
+from llama_guard._core.request_state import RequestState
 from llama_guard._core.stats import GuardStats
 from llama_guard._core.turns import AsyncTurn, ThreadTurn
 from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
@@ -622,3 +623,21 @@ def test_one_warning_per_stall_episode(flavor: str, caplog: pytest.LogCaptureFix
         "level on the 'llama_guard' logger)"
     ]
     assert len(details) == reconnects
+
+
+def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
+    """After a probe was given up, the request's next probes wait the configured ladder (0.5, 1, 2 s by default):
+    a server that turned slow since the guard learnt costs the request a reconnect, never its attempts."""
+    policy = GuardPolicy()
+    book = ProbeBook()
+    request = httpx.Request("POST", f"http://{ORIGIN.host}:{ORIGIN.port}{CHAT}")
+    state = RequestState(
+        request, ORIGIN, policy, GuardStats(), None, body=b"{}", stream=False, started=time.monotonic(), book=book
+    )
+    answered(state.origin_probes, *(0.001,) * LEARN_AFTER)
+    deadlines = [state.next_probe_deadline()]
+    for _ in range(3):
+        state.probe_started()
+        state.probe_given_up(deadlines[-1], lambda: False)
+        deadlines.append(state.next_probe_deadline())
+    assert deadlines == [pytest.approx(policy.probe_timeout_min), 0.5, 1.0, 2.0]

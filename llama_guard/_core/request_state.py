@@ -233,12 +233,17 @@ class RequestState:
                 extensions["timeout"] = timeouts
         return extensions
 
-    def next_probe_deadline(self, first: float | None = None) -> float:
-        """The deadline of this request's next probe; ``first``: the deadline in force for a first probe, if known
-        (else asked of the origin's `OriginProbes`)."""
-        if first is None:
-            first = self.origin_probes.deadline(self.policy)
-        deadline = probe_deadline(self.failed_probes, first=first, cap=self.policy.probe_timeout_max)
+    def next_probe_deadline(self) -> float:
+        """The deadline of this request's next probe: the origin's deadline in force (`OriginProbes.deadline`) for
+        its first probe, the configured ladder (`probe_deadline`) after one was given up."""
+        policy = self.policy
+        if self.failed_probes:
+            # The learnt deadline is for a first probe only: a request whose probe was given up waits the configured
+            # ladder from then on, so a server that turned slow since the guard learnt (load arriving) costs that
+            # request a reconnect, never its attempts (the late answer raises the learnt deadline for the next ones).
+            deadline = probe_deadline(self.failed_probes, first=policy.probe_timeout, cap=policy.probe_timeout_max)
+        else:
+            deadline = self.origin_probes.deadline(policy)
         # The probe reads like any response: never wait longer than the caller's own read timeout allows.
         caller_read = self.user_timeouts.get("read")
         if caller_read is not None and caller_read < deadline:
