@@ -50,7 +50,7 @@ ROWS = (
             "httpx==0.27.0",
             "httpcore==1.0.7",
             "h11==0.14.0",
-            "anyio==4.10.0",
+            "anyio==4.16.0",
             "tenacity==8.3.0",
             "wrapt==2.5.0",
             "aiohttp==3.12.15",
