@@ -95,9 +95,10 @@ class GuardPolicy:
         probe: before the first request on every new connection to llama-server, send ``GET /health`` on it and
             wait for the answer, so a connection the server will not read is replaced before any real request is
             written to it (default True).
-        probe_timeout: seconds the first probe of a request may wait (default 0.5); each further probe of the same
-            request waits as long again, and each probe after that twice as long, up to ``probe_timeout_max``
-            (0.5, 0.5, 1, 2, 4 s with the defaults).
+        probe_timeout: seconds the first probe of a request may wait (default 0.5; the ceiling of a learnt
+            deadline); after a probe of the request was given up, its next probe waits this long whatever was learnt,
+            and each probe after that twice as long, up to ``probe_timeout_max`` (0.5, 0.5, 1, 2, 4 s with the
+            defaults and nothing learnt).
         probe_timeout_max: the cap on the probe deadline (default 4.0 seconds).
         probe_learning: learn the first probe's deadline per origin from the probe answers seen (default True):
             once 4 probes of an origin were answered, a first probe waits ``probe_learning_factor`` times the
