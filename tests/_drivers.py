@@ -307,37 +307,58 @@ def open_connections(driver: Driver) -> list[Any]:
     return [c for c in pool_of(driver).connections if not c.is_closed()]
 
 
-def _tcp_table() -> dict[str, tuple[int, int]]:
-    """Socket inode -> (local port, remote port), for every TCP socket of the machine (Linux /proc)."""
-    table: dict[str, tuple[int, int]] = {}
+_TCP_STATES = {
+    "01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT",
+    "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING",
+}  # fmt: skip
+
+
+def _tcp_table() -> dict[str, tuple[int, int, str]]:
+    """Socket inode -> (local port, remote port, TCP state), for every TCP socket of the machine (Linux /proc)."""
+    table: dict[str, tuple[int, int, str]] = {}
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(name) as lines:
                 next(lines)
                 for line in lines:
                     fields = line.split()
-                    local, remote, inode = fields[1], fields[2], fields[9]
-                    table[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
+                    local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+                    table[inode] = (
+                        int(local.rsplit(":", 1)[1], 16),
+                        int(remote.rsplit(":", 1)[1], 16),
+                        _TCP_STATES.get(state, state),
+                    )
         except FileNotFoundError:
             continue
     return table
 
 
-def client_sockets(port: int) -> int:
-    """How many of this process's file descriptors are TCP sockets connected to ``port`` (client ends of
-    connections to the emulator; the emulator's own ends have ``port`` as their local port)."""
+def _client_ends(port: int) -> list[tuple[int, int, str]]:
+    """(descriptor, local port, TCP state) of this process's TCP sockets connected to ``port``."""
     table = _tcp_table()
-    count = 0
+    ends = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # closed meanwhile (the listing's own descriptor, among others)
             continue
         if target.startswith("socket:["):
-            ports = table.get(target[8:-1])
-            if ports is not None and ports[1] == port:
-                count += 1
-    return count
+            entry = table.get(target[8:-1])
+            if entry is not None and entry[1] == port:
+                ends.append((int(fd), entry[0], entry[2]))
+    return ends
+
+
+def client_sockets(port: int) -> int:
+    """How many of this process's file descriptors are TCP sockets connected to ``port`` (client ends of
+    connections to the emulator; the emulator's own ends have ``port`` as their local port)."""
+    return len(_client_ends(port))
+
+
+def describe_client_sockets(port: int) -> str:
+    """The client ends to ``port``, for a failure message: descriptor, local port and TCP state of each."""
+    ends = _client_ends(port)
+    return ", ".join(f"fd {fd} from port {local} {state}" for fd, local, state in ends) or "none"
 
 
 def open_fds() -> int:

@@ -638,6 +638,6 @@ def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
     deadlines = [state.next_probe_deadline()]
     for _ in range(3):
         state.probe_started()
-        state.probe_given_up(deadlines[-1], lambda: False)
+        state.probe_given_up(deadlines[-1], None)
         deadlines.append(state.next_probe_deadline())
     assert deadlines == [pytest.approx(policy.probe_timeout_min), 0.5, 1.0, 2.0]

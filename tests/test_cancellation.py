@@ -40,6 +40,7 @@ from ._drivers import (
     Driver,
     client_sockets,
     close_driver,
+    describe_client_sockets,
     make_driver,
     on_every_client,
     open_connections,
@@ -221,11 +222,13 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
         assert task_count() == tasks_before, "a task was left behind"
         assert pool_problems(driver) == []
         assert open_connections(driver) == [], "the pool kept a connection"
-        await wait_until(
-            lambda: client_sockets(server.port) == 0,
-            timeout=EVENT_WAIT,
-            what=f"the cancelled request's socket (guard: {driver.stats.probes_given_up} probes given up)",
-        )
+        try:
+            await wait_until(lambda: client_sockets(server.port) == 0, timeout=EVENT_WAIT, what="")
+        except AssertionError:
+            raise AssertionError(
+                f"the cancelled request's socket not closed within {EVENT_WAIT:g} s: "
+                f"{describe_client_sockets(server.port)}; guard {driver.stats!r}"
+            ) from None
 
         await check_server(point, server)
         server.clear_faults()

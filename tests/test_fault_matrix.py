@@ -43,6 +43,7 @@ from ._drivers import (
     Outcome,
     client_sockets,
     close_driver,
+    describe_client_sockets,
     guard_module,
     library,
     make_driver,
@@ -564,9 +565,15 @@ async def fault_scenario(case: Case, flavor: str, library_name: str, env: Env) -
         )
     finally:
         await close_driver(driver)
-    await wait_until(
-        lambda: client_sockets(env.port) == 0, timeout=SETTLE, what=f"{case.id}: every client socket closed"
-    )
+    try:
+        await wait_until(
+            lambda: client_sockets(env.port) == 0, timeout=SETTLE, what=f"{case.id}: every client socket closed"
+        )
+    except AssertionError as exc:
+        raise AssertionError(
+            f"{exc}: {describe_client_sockets(env.port)}; server {env.server.stats()}; "
+            f"guard {driver.stats if driver.guarded else None!r}"
+        ) from None
 
 
 async def before(case: Case, driver: Driver, env: Env) -> None:

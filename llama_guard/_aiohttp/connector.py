@@ -9,8 +9,8 @@ A probe that fails closes the connection and raises `ProbeTimeout`/`ProbeError` 
 request was written, and the middleware retries it on a fresh connection with the stall schedule.
 
 As in the httpx flavour, the deadline in force, the admission of new connections and the watch for late answers
-are the origin's (`_core/origin_probes.py`): a connection whose probe was given up is kept half closed, with the
-probe's protocol on it, until its origin has seen whether the answer comes late; then it is closed.
+are the origin's (`_core/origin_probes.py`): a connection whose probe was given up is closed here, and a duplicate
+of its socket, half closed, is watched a while for a late answer (`_core/late_answers.py`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 
 import aiohttp
 
-from .._core.origin_probes import PROBE_SLICE, GivenUpProbe, OriginProbes
+from .._core.late_answers import GivenUpWatches, WatchedConnection
+from .._core.origin_probes import PROBE_SLICE, OriginProbes
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
 from .._core.turns import AsyncTurn
@@ -49,25 +50,24 @@ class GuardConnector(aiohttp.TCPConnector):
 
     def __init__(self, *, keepalive_timeout: float | object = KEEPALIVE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(keepalive_timeout=keepalive_timeout, **kwargs)  # type: ignore[arg-type]
-        self._hooks = ProbingHooks(keep_given_up=True)
+        self._hooks = ProbingHooks()
         self.probing_off = hook_new_connections(self, self._hooks)
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
-        self._hooks.given_up.close(everything=True)  # connections watched for a late answer
+        self._hooks.given_up.end_all()  # connections watched for a late answer
         return super().close(*args, **kwargs)
 
 
 class ProbingHooks(ConnectionHooks):
-    """The guard's work on a connector's new connections (one instance per connector). ``keep_given_up``: keep a
-    connection whose probe was given up, watched for a late answer, until the watch ends; only for a connector that
-    closes them when it closes (`GuardConnector`); on another (a session the guard was added to), it is closed at
-    once and a late answer there goes uncounted."""
+    """The guard's work on a connector's new connections (one instance per connector)."""
 
-    def __init__(self, *, keep_given_up: bool = False) -> None:
+    def __init__(self) -> None:
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self.unprobeable: set[Origin] = set()
-        self.given_up = _GivenUpConnections()
-        self.keep_given_up = keep_given_up
+        # Connections whose probe was given up, watched a while for a late answer (_core/late_answers.py): ended
+        # when a `GuardConnector` closes; on another connector (a session the guard was added to), when the watch
+        # ends.
+        self.given_up = GivenUpWatches()
 
     async def connecting(
         self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout
@@ -101,7 +101,6 @@ class ProbingHooks(ConnectionHooks):
         request = run.aiohttp_request
         exchange = ProbeExchange(run.host_header)
         run.probe_started()
-        self.given_up.close()
         deadline = run.next_probe_deadline()
         protocol = transport.get_protocol()
         reader = _ProbeReader(exchange)
@@ -118,29 +117,21 @@ class ProbingHooks(ConnectionHooks):
                     # While probes wait, given-up ones are watched; the deadline in force may change meanwhile
                     # (other probes of the origin are answered).
                     run.origin_probes.check_given_up()
-                    self.given_up.close()
                     deadline = run.next_probe_deadline()
             answer = reader.answered.result()
             if reader.extra:
                 raise ProbeProtocolError(f"{len(reader.extra)} bytes after the answer to GET /health")
         except asyncio.TimeoutError as exc:
             reader.abandon()
-            seconds = time.monotonic() - started
-            if self.keep_given_up:
-                if transport.can_write_eof():
-                    transport.write_eof()  # a server that reads it after all answers and closes: holds no thread
-                self.given_up.keep(run.probe_given_up(seconds, reader.late_answer), transport, protocol)
-            else:
-                _discard(transport, protocol)
-                run.probe_given_up(seconds, _closed)
-            error = probe_error(
+            watched = WatchedConnection.of(transport.get_extra_info("socket"))
+            self.given_up.add(run.probe_given_up(time.monotonic() - started, watched))
+            _discard(transport, protocol)
+            raise probe_error(
                 ProbeTimeout,
                 request,
                 f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
-            )
-            error.connection_kept = self.keep_given_up  # type: ignore[attr-defined]  # watched for a late answer
-            raise error from exc
+            ) from exc
         except (OSError, ProbeProtocolError) as exc:
             _discard(transport, protocol)
             run.probe_failed(time.monotonic() - started)
@@ -197,42 +188,6 @@ async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> tup
     return probes, ticket
 
 
-class _GivenUpConnections:
-    """A connector's connections whose probe was given up, kept (half closed, the probe's protocol on them) while
-    their origin watches for a late answer; closed once the watch settles or ends, and all when the connector
-    closes."""
-
-    def __init__(self) -> None:
-        self._kept: list[tuple[GivenUpProbe, asyncio.Transport, Any]] = []
-
-    def keep(self, watch: GivenUpProbe, transport: asyncio.Transport, protocol: Any) -> None:
-        self._kept.append((watch, transport, protocol))
-        # Closed at the latest when the watch ends, even if no probe of the origin looks again.
-        ends = max(watch.watch_until - time.monotonic(), 0.0) + PROBE_SLICE
-        asyncio.get_running_loop().call_later(ends, self._expire, watch)
-
-    def _expire(self, watch: GivenUpProbe) -> None:
-        watch.settled = True
-        self.close()
-
-    def close(self, *, everything: bool = False) -> None:
-        """Close the connections whose watch has settled (all of them when ``everything``)."""
-        if not self._kept:
-            return
-        kept = []
-        for watch, transport, protocol in self._kept:
-            if watch.settled or everything:
-                watch.settled = True
-                _discard(transport, protocol)
-            else:
-                kept.append((watch, transport, protocol))
-        self._kept = kept
-
-
-def _closed() -> bool:
-    return False  # for the origin's watch: a connection closed at once tells nothing
-
-
 def _discard(transport: asyncio.Transport, protocol: Any) -> None:
     """Close a connection that failed its probe; aiohttp's protocol gets the close, as for any lost connection."""
     transport.set_protocol(protocol)
@@ -240,25 +195,17 @@ def _discard(transport: asyncio.Transport, protocol: Any) -> None:
 
 
 class _ProbeReader(asyncio.Protocol):
-    """The new connection's protocol while the probe runs: feeds what arrives to the exchange. Once the probe is
-    given up (`abandon`), it only notes whether anything arrives (`late_answer`)."""
+    """The new connection's protocol while the probe runs: feeds what arrives to the exchange."""
 
     def __init__(self, exchange: ProbeExchange) -> None:
         self.exchange = exchange
         self.answered: asyncio.Future[ProbeAnswer] = asyncio.get_running_loop().create_future()
         self.extra = b""
-        self.received = 0
-        self.ended = False
 
     def abandon(self) -> None:
         self.answered.cancel()
 
-    def late_answer(self) -> bool | None:
-        """For the origin's watch: True once bytes arrived, False if the connection ended first, None meanwhile."""
-        return True if self.received else (False if self.ended else None)
-
     def _feed(self, data: bytes) -> None:
-        self.received += len(data)
         if self.answered.done():
             self.extra += data
             return
@@ -274,13 +221,11 @@ class _ProbeReader(asyncio.Protocol):
         self._feed(data)
 
     def eof_received(self) -> bool:
-        self.ended = True
         if not self.answered.done():
             self._feed(b"")
         return True  # keep the transport open: the answer decides (its keep-alive), and _discard closes
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.ended = True
         if not self.answered.done():
             self.answered.set_exception(
                 exc or ProbeProtocolError("the server closed the connection before answering GET /health")

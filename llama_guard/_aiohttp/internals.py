@@ -79,8 +79,7 @@ class ConnectionHooks:
         raise NotImplementedError
 
     def connected(self, request: aiohttp.ClientRequest, transport: Any) -> Awaitable[None]:
-        """The connection is open; raising fails the connect. An exception with a true ``connection_kept``
-        attribute leaves the transport open: the hooks own it from then on."""
+        """The connection is open; raising fails the connect (and closes the connection)."""
         raise NotImplementedError
 
     def finished(self, request: aiohttp.ClientRequest, token: Any) -> None:
@@ -103,9 +102,8 @@ class _CreateConnection:
             protocol = await self.create(req, traces, timeout)
             try:
                 await self.hooks.connected(req, protocol.transport)
-            except BaseException as exc:
-                if not getattr(exc, "connection_kept", False):
-                    protocol.close()
+            except BaseException:
+                protocol.close()
                 raise
         finally:
             self.hooks.finished(req, token)

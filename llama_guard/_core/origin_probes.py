@@ -11,8 +11,9 @@ configured ``probe_timeout``. A busy server answers late and its answers raise t
 never answers and teaches nothing. A probe given up on whose answer still arrives (``probe_answered_late``) counts
 as an answer of that latency, so one false alarm lifts the deadline above it.
 
-Late answers (`GivenUpProbe`): a connection given up on is kept, half closed, and looked at without reading
-(``peek``, the adapter's I/O) whenever a probe of the origin starts, waits a slice, or is answered. An answer seen
+Late answers (`GivenUpProbe`): a connection given up on is kept, half closed (`late_answers.WatchedConnection`),
+and looked at without reading whenever a probe of the origin starts, waits a slice, or is answered, and once more
+when its watch ends (`late_answers.EXPIRY`); it is closed when the watch settles. An answer seen
 there counts as late (a false alarm: the server was serving it, only slowly) unless a connection opened after the
 give-up was being probed meanwhile: cpp-httplib serves waiting connections oldest first, so the thread it starts for
 a new connection first answers the stalled ones, just before the new one; such an answer proves nothing about load.
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .late_answers import EXPIRY
 from .origins import Origin
 from .policy import GuardPolicy
 from .stats import GuardStats
@@ -55,15 +57,20 @@ LEARN_AFTER = 4
 WINDOW = 64
 # How long after a probe was given up new connections to its origin keep being admitted one at a time.
 RECOVERY_WINDOW = 5.0
+# How many new connections to an origin may be opened and probed at once while admission is needed.
+ADMISSION_SLOTS = 1
 # A probe in progress looks at the deadline in force this often, so that answers seen meanwhile (the healthy
 # connections of the same burst) shorten its wait.
 PROBE_SLICE = 0.02
 
 
+def _nothing() -> None:
+    pass
+
+
 @dataclass(eq=False)
 class GivenUpProbe:
-    """A connection whose probe was given up, watched for a late answer. The adapter that gave it up closes the
-    connection once ``settled``."""
+    """A connection whose probe was given up, watched for a late answer; closed (``close``) once ``settled``."""
 
     peek: Callable[[], bool | None]  # True: bytes wait to be read; False: closed or reset; None: nothing yet
     stats: GuardStats  # of the transport that gave it up
@@ -71,8 +78,14 @@ class GivenUpProbe:
     watch_until: float
     newer_than: int  # probes of the origin started before the give-up: an answer to a later one may drain this
     looked_at: float  # the last look that found nothing
+    close: Callable[[], None] = _nothing
     settled: bool = False
     answered_late: bool = False
+
+    def end(self) -> None:
+        """Stop watching and close the connection (its transport closes)."""
+        self.settled = True
+        self.close()
 
 
 class OriginProbes:
@@ -150,18 +163,26 @@ class OriginProbes:
             self._probes_pending.discard(number)
 
     def probe_given_up(
-        self, number: int, peek: Callable[[], bool | None], stats: GuardStats, started: float, *, watch: float
+        self,
+        number: int,
+        peek: Callable[[], bool | None],
+        stats: GuardStats,
+        started: float,
+        *,
+        watch: float,
+        close: Callable[[], None] = _nothing,
     ) -> GivenUpProbe:
         """The probe ``number``'s deadline passed without an answer: the origin is recovering from a stall. ``peek``
         looks at the connection, kept half closed, for up to ``watch`` seconds after the probe was sent (an answer
         later than any probe of the guard would wait for is no false alarm), until the returned watch is settled;
-        then the adapter closes it."""
+        then ``close`` closes it."""
         now = time.monotonic()
         with self._lock:
             self._probes_pending.discard(number)
             self._last_given_up = now
-            given_up = GivenUpProbe(peek, stats, started, started + watch, self._probes_started, now)
+            given_up = GivenUpProbe(peek, stats, started, started + watch, self._probes_started, now, close)
             self._given_up.append(given_up)
+        EXPIRY.at(given_up.watch_until, self.check_given_up)  # the last look, even if no probe comes to look
         return given_up
 
     def check_given_up(self) -> None:
@@ -192,7 +213,7 @@ class OriginProbes:
                 watch.stats.add(probes_answered_late=1)
                 with self._lock:
                     self._answers.append(now - watch.started)  # it came since the last look: at most this late
-            watch.settled = True
+            watch.end()
         if pending:
             with self._lock:
                 self._given_up.extend(pending)
@@ -218,16 +239,26 @@ class OriginProbes:
             return ticket
 
     def admit(self, ticket: int) -> bool:
-        """True (once) when ``ticket`` may open its connection: it is first in the queue and no other connection
-        to the origin is being opened and probed. `leave` must follow, whatever happens."""
+        """True (once) when ``ticket`` may open its connection: it is first in the queue and fewer than
+        ``ADMISSION_SLOTS`` other connections to the origin are being opened and probed. `leave` must follow,
+        whatever happens."""
         with self._lock:
-            if self._in_progress or not self._queue or self._queue[0] != ticket:
+            if len(self._in_progress) >= ADMISSION_SLOTS or not self._queue or self._queue[0] != ticket:
                 return False
             self._queue.popleft()
             self._turns.pop(ticket, None)
             self._in_progress.add(ticket)
             self._admitted += 1
-            return True
+            turn = self._next_turn()
+        if turn is not None:
+            turn.wake()  # a slot is still free: the next in the queue may go too
+        return True
+
+    def _next_turn(self) -> Turn | None:
+        """The turn of the connection first in the queue if a slot is free for it (under the lock)."""
+        if self._queue and len(self._in_progress) < ADMISSION_SLOTS:
+            return self._turns.get(self._queue[0])
+        return None
 
     def leave(self, ticket: int) -> None:
         """The connection of ``ticket`` is probed (answered or given up), failed, or its request was cancelled (or
@@ -239,7 +270,7 @@ class OriginProbes:
                 self._turns.pop(ticket, None)
                 with contextlib.suppress(ValueError):
                     self._queue.remove(ticket)
-            turn = self._turns.get(self._queue[0]) if self._queue and not self._in_progress else None
+            turn = self._next_turn()
         if turn is not None:
             turn.wake()  # outside the lock: an asyncio or trio waker schedules a call on the waiter's loop
 

@@ -6,8 +6,6 @@ that the generated file is current. Keep the I/O here and every decision in the 
 
 from __future__ import annotations
 
-import functools
-import threading
 import time
 from typing import Any, NoReturn
 
@@ -17,8 +15,9 @@ import httpx
 import tenacity
 
 from .._core.decisions import first_attempt_goes_as_is
+from .._core.late_answers import GivenUpWatches, WatchedConnection
 from .._core.log import STALL_LOG, logger
-from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE, GivenUpProbe
+from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -37,7 +36,7 @@ from .internals import (
     hookable_pool,
     streaming_check,
 )
-from .sockets import answer_waiting, finish_writing, shutdown_connection
+from .sockets import shutdown_connection
 
 __all__ = ["AsyncGuardTransport"]
 
@@ -82,8 +81,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
         # Learnt probe deadlines and connection admission, per origin: the process's, shared by every transport.
         self._book = PROBE_BOOK
-        # Connections whose probe was given up, kept open a while to see whether the answer comes after all.
-        self._given_up = _AsyncGivenUpProbes()
+        # Connections whose probe was given up, watched a while for a late answer: closed when this transport is.
+        self._given_up = GivenUpWatches()
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
         # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
@@ -128,7 +127,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         return self
 
     async def aclose(self) -> None:
-        await self._given_up.close(everything=True)
+        self._given_up.end_all()
         STALL_LOG.flush()
         await self._transport.aclose()
 
@@ -318,8 +317,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         Runs inside httpcore's connect, from the pool's network backend (``_async_network.py``) or the ``trace``
         extension, with the new network stream. On failure the error fails the connect, so the connection never
         enters the pool and the request is retried on a fresh one; the stream is closed here (httpcore has not
-        stored it yet), or, when the probe was given up, kept half closed a while to see whether it is answered
-        late (`_AsyncGivenUpProbes`).
+        stored it yet). When the probe was given up, a duplicate of its socket is watched a while for a late answer
+        (`_core/late_answers.py`).
         """
         if run.origin in self._unprobeable:
             return
@@ -328,7 +327,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
         exchange = ProbeExchange(run.host_header)
         run.probe_started()
-        await self._given_up.close()
         deadline = run.next_probe_deadline()
         started = time.monotonic()
         try:
@@ -344,13 +342,12 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                     data = await stream.read(65536, timeout=min(remaining, PROBE_SLICE))
                 except httpcore.ReadTimeout:
                     run.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
-                    await self._given_up.close()
                     continue
                 answer = exchange.feed(data)
         except httpcore.TimeoutException as exc:
-            finish_writing(stream)  # a server that reads it after all answers and closes: it holds no server thread
-            watch = run.probe_given_up(time.monotonic() - started, functools.partial(answer_waiting, stream))
-            self._given_up.keep(watch, stream)
+            watched = WatchedConnection.of(stream.get_extra_info("socket"))
+            self._given_up.add(run.probe_given_up(time.monotonic() - started, watched))
+            await stream.aclose()
             raise ProbeTimeout(
                 f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
                 "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
@@ -425,32 +422,6 @@ class _AsyncTracer:
             await self._prober(info["return_value"], run)
         if self._user_trace is not None:
             await self._user_trace(event, info)
-
-
-class _AsyncGivenUpProbes:
-    """This transport's connections whose probe was given up, kept open (half closed) while their origin watches
-    for a late answer (`GivenUpProbe`), closed once it has settled, and all when the transport closes."""
-
-    def __init__(self) -> None:
-        self._kept: list[tuple[GivenUpProbe, Any]] = []
-        self._lock = threading.Lock()  # sync transports serve many threads; held for no I/O
-
-    def keep(self, watch: GivenUpProbe, stream: Any) -> None:
-        with self._lock:
-            self._kept.append((watch, stream))
-
-    async def close(self, *, everything: bool = False) -> None:
-        """Close the connections whose watch has settled (all of them when ``everything``)."""
-        if not self._kept:
-            return
-        with self._lock:
-            done = [stream for watch, stream in self._kept if watch.settled or everything]
-            if everything:
-                for watch, _ in self._kept:
-                    watch.settled = True
-            self._kept = [(watch, stream) for watch, stream in self._kept if not watch.settled]
-        for stream in done:
-            await stream.aclose()
 
 
 class _AsyncDropAfterStream(httpx.AsyncByteStream):
