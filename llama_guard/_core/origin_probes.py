@@ -57,8 +57,6 @@ LEARN_AFTER = 4
 WINDOW = 64
 # How long after a probe was given up new connections to its origin keep being admitted one at a time.
 RECOVERY_WINDOW = 5.0
-# How many new connections to an origin may be opened and probed at once while admission is needed.
-ADMISSION_SLOTS = 1
 # A probe in progress looks at the deadline in force this often, so that answers seen meanwhile (the healthy
 # connections of the same burst) shorten its wait.
 PROBE_SLICE = 0.02
@@ -239,26 +237,16 @@ class OriginProbes:
             return ticket
 
     def admit(self, ticket: int) -> bool:
-        """True (once) when ``ticket`` may open its connection: it is first in the queue and fewer than
-        ``ADMISSION_SLOTS`` other connections to the origin are being opened and probed. `leave` must follow,
-        whatever happens."""
+        """True (once) when ``ticket`` may open its connection: it is first in the queue and no other connection
+        to the origin is being opened and probed. `leave` must follow, whatever happens."""
         with self._lock:
-            if len(self._in_progress) >= ADMISSION_SLOTS or not self._queue or self._queue[0] != ticket:
+            if self._in_progress or not self._queue or self._queue[0] != ticket:
                 return False
             self._queue.popleft()
             self._turns.pop(ticket, None)
             self._in_progress.add(ticket)
             self._admitted += 1
-            turn = self._next_turn()
-        if turn is not None:
-            turn.wake()  # a slot is still free: the next in the queue may go too
-        return True
-
-    def _next_turn(self) -> Turn | None:
-        """The turn of the connection first in the queue if a slot is free for it (under the lock)."""
-        if self._queue and len(self._in_progress) < ADMISSION_SLOTS:
-            return self._turns.get(self._queue[0])
-        return None
+            return True
 
     def leave(self, ticket: int) -> None:
         """The connection of ``ticket`` is probed (answered or given up), failed, or its request was cancelled (or
@@ -270,7 +258,7 @@ class OriginProbes:
                 self._turns.pop(ticket, None)
                 with contextlib.suppress(ValueError):
                     self._queue.remove(ticket)
-            turn = self._next_turn()
+            turn = self._turns.get(self._queue[0]) if self._queue and not self._in_progress else None
         if turn is not None:
             turn.wake()  # outside the lock: an asyncio or trio waker schedules a call on the waiter's loop
 
