@@ -172,20 +172,19 @@ async def given_up_once(
     return {"given_up": driver.stats.probes_given_up}
 
 
+@pytest.mark.parametrize(
+    ("close", "watch"),
+    [
+        # The client stays open and opens no other connection: the watch's end alone closes the connection.
+        pytest.param(False, 0.5, id="at-the-watch-end"),
+        # The client closes long before the watch would end.
+        pytest.param(True, 60.0, id="with-the-client"),
+    ],
+)
 @pytest.mark.parametrize(("flavor", "library"), CLIENTS)
-def test_a_given_up_connection_is_closed_when_its_watch_ends(flavor: str, library: str) -> None:
-    """The client stays open and opens no other connection: the watch's end alone closes the connection."""
-    policy = GuardPolicy(probe_timeout=0.2, probe_timeout_max=0.5, probe_learning=False, max_attempts=1)
+def test_a_given_up_connection_is_closed(flavor: str, library: str, close: bool, watch: float) -> None:
+    policy = GuardPolicy(probe_timeout=0.2, probe_timeout_max=watch, probe_learning=False, max_attempts=1)
     with LlamaServerEmulator(pool_bug=False) as server:
         server.inject(Fault.NEVER_ANSWER_ACCEPT, count=1)
-        seen = run_scenario(flavor, given_up_once, flavor, library, server, policy, False)
-    assert seen == {"given_up": 1}
-
-
-@pytest.mark.parametrize(("flavor", "library"), CLIENTS)
-def test_closing_the_client_closes_a_watched_connection_at_once(flavor: str, library: str) -> None:
-    policy = GuardPolicy(probe_timeout=0.2, probe_timeout_max=60.0, probe_learning=False, max_attempts=1)
-    with LlamaServerEmulator(pool_bug=False) as server:
-        server.inject(Fault.NEVER_ANSWER_ACCEPT, count=1)
-        seen = run_scenario(flavor, given_up_once, flavor, library, server, policy, True)
+        seen = run_scenario(flavor, given_up_once, flavor, library, server, policy, close)
     assert seen == {"given_up": 1}
