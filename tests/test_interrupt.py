@@ -61,9 +61,25 @@ class Running:
         return code, "".join(self.seen + rest), took
 
 
+# Runs ``python -m <module> <args>`` with Python's own Ctrl-C handler installed first. A process started in the
+# background by a shell without job control (``cmd &`` in a script, nohup) ignores SIGINT, its children inherit
+# that, and Python then installs no KeyboardInterrupt handler: the command under test would never see the signal
+# this test sends, whoever runs the suite.
+_WITH_CTRL_C = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
+
+
 @contextmanager
 def running(*command: str) -> Iterator[Running]:
-    process = subprocess.Popen([sys.executable, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert command[0] == "-m", command
+    process = subprocess.Popen(
+        [sys.executable, "-c", _WITH_CTRL_C, *command[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     run = Running(process)
 
     def read() -> None:
