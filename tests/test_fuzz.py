@@ -47,6 +47,7 @@ from llama_guard._core import stream_detection as wants_stream_module
 from llama_guard._core.decisions import parse_retry_after, wants_stream
 from llama_guard._core.origins import parse_origin
 from llama_guard._core.policy import per_request_fields
+from llama_guard._core.stream_detection import top_level_stream_without_parse
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 CHAT = "/v1/chat/completions"
@@ -466,22 +467,38 @@ def _has_lone_surrogate(document: Any) -> bool:
     return False
 
 
-def llama_server_streams(body: bytes) -> bool:
+def llama_server_reading(body: bytes) -> bool | None:
     """llama-server's reading, for documents shallow enough for Python's parser: ``json::parse(req.body)`` (strict
     UTF-8, a leading UTF-8 BOM skipped, no NaN/Infinity, no number beyond a double, surrogate escapes in pairs
     in every string, the last of duplicate keys wins), then ``json_value(body, "stream", false)``: true only for a
-    JSON boolean."""
+    JSON boolean. None for a body the parse refuses (the server answers it with an error)."""
     if body.startswith(codecs.BOM_UTF8):
         body = body[len(codecs.BOM_UTF8) :]
     try:
         text = body.decode("utf-8")
         document = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float, parse_int=_nlohmann_int)
     except (ValueError, RecursionError):
-        return False
+        return None
     # Every string, including a value a repeated key overwrites: objects read as flat lists of keys and values.
     if _has_lone_surrogate(json.loads(text, object_pairs_hook=lambda pairs: [part for pair in pairs for part in pair])):
-        return False
+        return None
     return isinstance(document, dict) and document.get("stream") is True
+
+
+def llama_server_streams(body: bytes) -> bool:
+    """Whether llama-server streams its answer to ``body`` (a body it refuses streams nothing)."""
+    return llama_server_reading(body) is True
+
+
+def assert_read_as_llama_server_does(body: bytes) -> bool | None:
+    """`wants_stream`'s contract: exact for every body llama-server accepts, and for a refused body under
+    `BYTE_CHECK_LIMIT` (parsed); a larger refused body may be read either way (the server answers it with an
+    error whatever the guard sends, and the scan from the end does not check what nlohmann refuses)."""
+    reading = llama_server_reading(body)
+    answer = wants_stream(body)
+    if reading is not None or len(body) < wants_stream_module.BYTE_CHECK_LIMIT:
+        assert answer is (reading is True)
+    return reading
 
 
 # JSON values as llama-server could receive them: finite numbers, text without lone surrogates.
@@ -677,13 +694,20 @@ def test_stream_detection_of_escaped_backslashes_and_surrogates(body: bytes) -> 
     expected = llama_server_streams(body)
     event(f"streams: {expected}")
     assert wants_stream(body) is expected  # a small body: its text is searched
-    # Each way of finding lone surrogates gives the same answer: in a large body the parsed strings are walked ...
+    # A large body is read from its end, exact for a body llama-server accepts ...
     large = body[:-1] + b', "padding": "' + b"x" * wants_stream_module.BYTE_CHECK_LIMIT + b'"}'
-    assert wants_stream(large) is expected
+    assert top_level_stream_without_parse(large) is not None
+    assert_read_as_llama_server_does(large)
+    # ... and parsed when its strings are too many to pass (here escaped quotes), every lone surrogate checked: then
+    # the parsed strings are walked ...
+    quotes = body[:-1] + b', "padding": "stream ' + b'\\"' * 600 + b"x" * wants_stream_module.BYTE_CHECK_LIMIT + b'"}'
+    assert top_level_stream_without_parse(quotes) is None
+    assert wants_stream(quotes) is expected
     # ... unless there are too many small objects to walk: then its text is searched ...
-    message = b'{"role": "user", "content": "hi"}'
+    message = b'{"role": "user", "content": "no stream"}'  # the word again: not read from the start either
     many = body[:-1] + b', "messages": [' + b", ".join([message] * 3_000) + b"]}"
     assert len(many) > wants_stream_module.BYTE_CHECK_LIMIT
+    assert top_level_stream_without_parse(many) is None
     assert wants_stream(many) is expected
     # ... and a document too deep for Python's parser takes the iterative scan, and its text is searched.
     deep = body[:-1] + b', "deep": ' + b"[" * 5_000 + b"]" * 5_000 + b"}"
@@ -734,13 +758,41 @@ def large_bodies(draw: st.DrawFn) -> bytes:
 @example(b" " * _LIMIT + b'{"x": {"stream": true}}')  # nested: not a stream
 def test_the_byte_filter_of_large_bodies_never_hides_a_stream(body: bytes) -> None:
     """`could_stream` says False only for bodies llama-server does not stream, and a large body's answer is the
-    oracle's whether the filter or the parse gives it."""
-    expected = llama_server_streams(body)
-    filtered = not wants_stream_module.could_stream(body)
-    event(f"streams: {expected}, filtered out: {filtered}")
-    assert not (expected and filtered)
+    oracle's for every body llama-server accepts, whether the filter, the scan from the end or the parse gives it."""
     assert len(body) >= _LIMIT
-    assert wants_stream(body) is expected
+    reading = assert_read_as_llama_server_does(body)
+    filtered = not wants_stream_module.could_stream(body)
+    scanned = top_level_stream_without_parse(body)
+    event(f"llama-server: {reading}, filtered out: {filtered}, scan: {scanned}")
+    assert not (reading and filtered)
+    if reading is not None and scanned is not None:
+        assert scanned is reading
+
+
+@fuzz(500)
+@given(st.one_of(json_documents().flatmap(serialised), bodies_with_escapes()))
+@example(b'{"x": "\\\\\\"", "stream": true}')  # a string ending in an escaped backslash, then its quote
+@example(b'{"x": "\\"stream\\": true"}')  # the words inside a string
+@example(b'{"x": {"stream": true}, "y": [1, {"stream": true}]}')  # nested only
+@example(b'{"stream": true, "stream": false}')
+@example(b'{"stream": true, "str\\u0065am": false}')  # read from the start only if no other key can read stream
+@example(b'\xef\xbb\xbf {"stream": true, "x": "\\"", "stream": false}')
+def test_the_reading_without_parse_is_exact_on_every_body_llama_server_accepts(body: bytes) -> None:
+    """Bodies of any size (the scan does not look at the size): where it answers, it answers as llama-server
+    reads a body it accepts."""
+    reading = llama_server_reading(body)
+    scanned = top_level_stream_without_parse(body)
+    event(f"llama-server: {reading}, scan: {scanned}")
+    if reading is not None and scanned is not None:
+        assert scanned is reading
+    if reading is not None and body.count(b'"') < 16:  # within the budget: a few strings are always passed
+        assert scanned is not None
+
+
+@fuzz(300)
+@given(ANY_BYTES)
+def test_the_reading_without_parse_never_raises(body: bytes) -> None:
+    assert top_level_stream_without_parse(body) in (True, False, None)
 
 
 @pytest.mark.parametrize(
@@ -850,8 +902,14 @@ def test_stream_detection_of_deep_bodies_llama_server_rejects(tail: str) -> None
     ids=["NaN", "Infinity", "1e400", "400-digit-int", "lone-surrogate", "utf-16"],
 )
 def test_stream_detection_of_bodies_llama_server_rejects(body: bytes) -> None:
-    assert llama_server_streams(body) is False
+    assert llama_server_reading(body) is None
     assert wants_stream(body) is False
+    # The same refused body made large is read from its end, which does not check what nlohmann refuses: it is read
+    # as a stream when its structure asks for one (documented: the server answers it with an error either way).
+    large = body.replace(b'{"stream": true,', b'{"stream": true, "padding": "' + b"x" * _LIMIT + b'",')
+    if large != body:
+        assert llama_server_reading(large) is None
+        assert wants_stream(large) is True
 
 
 # == 3. Server responses =============================================================================================

@@ -10,13 +10,17 @@ handled here, each in the direction of llama-server:
 - nesting deeper than Python's recursion limit is fine (nlohmann keeps its own stack): the top-level keys are then
   found by an iterative scan.
 
-A body llama-server rejects streams nothing, so it is "not a stream".
+A body llama-server rejects streams nothing, so it is "not a stream" when it is parsed.
 
-Cost: a byte filter first (`could_stream` above 64 KiB), which answers "not a stream" without parsing unless a
-colon is followed by ``true`` and preceded by a key that reads ``stream``; then one ``json.loads`` (C speed), and
-checks that run only when the answer would be "a stream" (they can only turn it into "not a stream"), each a
-fraction of a pass over the body or a walk of the few strings a prompt-like body holds. Sans-I/O; tested in
-``tests/test_fuzz.py`` against llama-server's rules and in ``tests/test_decisions.py`` as a table.
+Cost: below 64 KiB, one ``json.loads`` (C speed) when the body holds "stream" or an escape, and checks that run
+only when the answer would be "a stream" (they can only turn it into "not a stream"). Above 64 KiB the parse would
+cost more than the request's own work, so: a byte filter (`could_stream`) answers "not a stream" unless a colon is
+followed by ``true`` and preceded by a key that reads ``stream``; then `top_level_stream_without_parse` reads the
+last top-level ``"stream"`` from the body's structure (a few string ends passed from the end of the body), exact for
+every body llama-server accepts, while a large body it refuses may then read as a stream (the only effect is one
+``Connection: close`` on a request the server answers with an error); only a body with too many strings after its
+key is parsed and checked as above. Sans-I/O; tested in ``tests/test_fuzz.py`` against llama-server's rules and in
+``tests/test_decisions.py`` as a table.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import math
 import re
 from typing import Any, Final
 
-__all__ = ["could_stream", "wants_stream"]
+__all__ = ["could_stream", "top_level_stream_without_parse", "wants_stream"]
 
 # Below this size two searches for "stream" and an escape answer most bodies; above it `could_stream` does, which
 # costs a few microseconds more and a pass at memchr speed rather than two multi-byte searches.
@@ -50,6 +54,10 @@ def wants_stream(body: bytes) -> bool:
             return False
     elif not could_stream(body):
         return False
+    else:
+        read = top_level_stream_without_parse(body)
+        if read is not None:
+            return read
     try:
         text = body.decode("utf-8-sig")  # nlohmann skips a UTF-8 byte order mark too
     except UnicodeDecodeError:
@@ -64,9 +72,8 @@ def wants_stream(body: bytes) -> bool:
 
 # A key that reads "stream": each letter as itself or as its \u00XX escape (JSON can write a letter no other way),
 # ending where the text before a colon, its whitespace stripped, ends.
-_STREAM_KEY_AT_END: Final = re.compile(
-    rb'"(?:s|\\u0073)(?:t|\\u0074)(?:r|\\u0072)(?:e|\\u0065)(?:a|\\u0061)(?:m|\\u006[dD])"\Z'
-)
+_STREAM_KEY: Final = re.compile(rb'"(?:s|\\u0073)(?:t|\\u0074)(?:r|\\u0072)(?:e|\\u0065)(?:a|\\u0061)(?:m|\\u006[dD])"')
+_STREAM_KEY_AT_END: Final = re.compile(_STREAM_KEY.pattern + rb"\Z")
 _LONGEST_STREAM_KEY: Final = 2 + 6 * len("\\u0073")
 _KEY_WINDOW: Final = 64
 _TRUE_AFTER_COLON: Final = re.compile(rb"[ \t\r\n]*true")
@@ -95,6 +102,91 @@ def could_stream(body: bytes) -> bool:
         if candidates == _TRUE_CANDIDATES or _stream_key_before(body, found.start()):
             return True
     return False
+
+
+# A body's strings passed from its end, per 8 KiB of it (at least 16), before the scan leaves it to the parse: a
+# string costs about a microsecond, so the scan stays a small part of what the parse would then cost.
+_STRINGS_PER_BYTES: Final = 8192
+_MIN_STRINGS: Final = 16
+_BACKSLASH_WINDOW: Final = 64
+_COLON: Final = re.compile(rb"[ \t\r\n]*:[ \t\r\n]*")
+
+
+def top_level_stream_without_parse(body: bytes) -> bool | None:
+    """Whether the last top-level ``"stream"`` member is ``true``, read without a parse: from the body's end, or
+    from its start when the first member is the only key that can read ``stream``. None when the body holds too
+    many strings (or too long a run of backslashes) to pass cheaply from the end: then the parse decides.
+
+    Exact for every body llama-server accepts: in valid JSON the quotes not escaped by an odd run of backslashes
+    are exactly the strings' ends, so the strings can be passed from the end, and the brackets between them give
+    the depth. llama-server keeps the last of repeated keys, so the last top-level ``"stream"`` decides. A body it
+    refuses (not JSON, a lone surrogate, NaN...) may be read as a stream here, and is then sent with
+    ``Connection: close``: the server answers it with an error either way, so the cost is one new connection,
+    while checking what nlohmann refuses would cost more than a ``json.loads`` of the body."""
+    if _only_key_is_first_stream_true(body):
+        return True
+    end = len(body.rstrip(b" \t\r\n"))
+    if not body.endswith(b"}", 0, end):
+        return False  # not an object (a valid body's last character closes its top level)
+    budget = max(_MIN_STRINGS, end // _STRINGS_PER_BYTES)
+    depth = 0  # containers open around `end`, outside strings
+    while True:
+        closing = body.rfind(b'"', 0, end)
+        # Between two strings only structure: a closer passed from the end opens a level, an opener closes one.
+        depth += (body.count(b"}", closing + 1, end) + body.count(b"]", closing + 1, end)) - (
+            body.count(b"{", closing + 1, end) + body.count(b"[", closing + 1, end)
+        )
+        if closing == -1 or depth < 1:
+            return False  # the top level passed without a "stream" key (or not JSON)
+        opening = closing
+        while True:
+            budget -= 1
+            if budget < 0:
+                return None
+            opening = body.rfind(b'"', 0, opening)
+            if opening == -1:
+                return False
+            escaped = _escaped(body, opening)
+            if escaped is None:
+                return None
+            if not escaped:
+                break
+        if depth == 1:
+            colon = _COLON.match(body, closing + 1)
+            if colon is not None and _STREAM_KEY.fullmatch(body, opening, closing + 1):
+                return body.startswith(b"true", colon.end())
+        end = opening
+
+
+# A body that opens with "stream": true (after a UTF-8 byte order mark and whitespace).
+_FIRST_MEMBER_STREAM_TRUE: Final = re.compile(
+    rb'(?:\xef\xbb\xbf)?[ \t\r\n]*{[ \t\r\n]*"stream"[ \t\r\n]*:[ \t\r\n]*true'
+)
+
+
+def _only_key_is_first_stream_true(body: bytes) -> bool:
+    """Whether the body opens with ``{"stream": true`` and no other key can read ``stream``: the word appears once,
+    and no escape writes one of its letters (``\\u006X``, ``\\u007X``). Then no later member overrides it."""
+    opening = _FIRST_MEMBER_STREAM_TRUE.match(body)
+    return (
+        opening is not None
+        and body.find(b"stream", opening.end()) == -1
+        and body.find(b"\\u006") == -1
+        and body.find(b"\\u007") == -1
+    )
+
+
+def _escaped(body: bytes, quote: int) -> bool | None:
+    """Whether the quote at ``quote`` is escaped: an odd run of backslashes before it (None: a run too long to
+    count cheaply)."""
+    if quote == 0 or body[quote - 1] != 0x5C:
+        return False
+    start = max(0, quote - _BACKSLASH_WINDOW)
+    window = body[start:quote]
+    run = len(window) - len(window.rstrip(b"\\"))
+    if run == len(window) and start:
+        return None
+    return run % 2 == 1
 
 
 def _stream_key_before(body: bytes, colon: int) -> bool:
