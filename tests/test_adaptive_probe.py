@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 import threading
 import time
 from typing import Any
@@ -16,7 +17,8 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy, Origin
-from llama_guard._core.log import STALL_LOG
+from llama_guard._core.late_answers import WatchedConnection
+from llama_guard._core.log import STALL_LOG, StallLog
 from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_BOOK, OriginProbes, ProbeBook
 from llama_guard._core.request_state import RequestState
 from llama_guard._core.stats import GuardStats
@@ -617,12 +619,28 @@ def test_one_warning_per_stall_episode(flavor: str, caplog: pytest.LogCaptureFix
     warnings = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
     details = [r for r in ours if r.levelno == logging.DEBUG and "retrying POST" in r.getMessage()]
     assert reconnects >= 1
-    assert warnings == [
-        f"replaced {reconnects} stalled connection{'s' if reconnects > 1 else ''} to {origin} "
-        "in the last 2 s (llama-server before b11737 did not read them; no request was lost; each one at DEBUG "
-        "level on the 'llama_guard' logger)"
-    ]
+    assert len(warnings) == 1, warnings
+    said = re.fullmatch(
+        f"replaced {reconnects} stalled connection{'s' if reconnects > 1 else ''} to {re.escape(origin)} "
+        r"in the last ([0-9.]+) s \(llama-server before b11737 did not read them; no request was lost; each one at "
+        r"DEBUG level on the 'llama_guard' logger\)",
+        warnings[0],
+    )
+    assert said is not None, warnings[0]
+    # The episode lasts 2 s, or less when the transport closes first (then the time it did last).
+    assert 0.1 <= float(said.group(1)) <= 2.0
     assert len(details) == reconnects
+
+
+def test_an_episode_flushed_early_names_the_time_it_lasted(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="llama_guard")
+    log = StallLog(episode=30.0)
+    origin = Origin("http", "127.0.0.1", 9)
+    log.replaced(origin, "one")
+    log.replaced(origin, "two")
+    log.flush(origin)  # long before the 30 s episode ends
+    [warning] = [record.getMessage() for record in caplog.records if "stalled connections" in record.getMessage()]
+    assert "replaced 2 stalled connections to http://127.0.0.1:9 in the last 0.1 s " in warning
 
 
 def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
@@ -638,6 +656,6 @@ def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
     deadlines = [state.next_probe_deadline()]
     for _ in range(3):
         state.probe_started()
-        state.probe_given_up(deadlines[-1], None)
+        state.probe_given_up(deadlines[-1], WatchedConnection(None))
         deadlines.append(state.next_probe_deadline())
     assert deadlines == [pytest.approx(policy.probe_timeout_min), 0.5, 1.0, 2.0]

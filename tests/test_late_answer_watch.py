@@ -8,15 +8,21 @@ the server's ends) for as long as no new connection was opened.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
-from llama_guard import GuardPolicy
+from llama_guard import GuardPolicy, Origin
 from llama_guard._core.late_answers import Expiry, GivenUpWatches, WatchedConnection
+from llama_guard._core.log import WARN_ONCE
+from llama_guard._core.origin_probes import ProbeBook
+from llama_guard._core.request_state import RequestState
+from llama_guard._core.stats import GuardStats
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import FLAVORS, client_sockets, close_driver, make_driver, run_scenario, wait_until
@@ -77,10 +83,49 @@ def test_watched_connection_sees_the_peer_close(pair: tuple[socket.socket, socke
 
 
 def test_nothing_to_watch_without_a_socket() -> None:
-    assert WatchedConnection.of(None) is None
+    """A closed connection reads as closed, and nothing was missed; a transport with no socket reads as closed
+    too, and says why a late answer could not be seen."""
     closed = socket.socket()
     closed.close()
-    assert WatchedConnection.of(closed) is None
+    gone = WatchedConnection.of(closed)
+    assert (gone.peek(), gone.unseen) == (False, None)
+    none = WatchedConnection.of(None)
+    assert none.peek() is False
+    assert none.unseen == "the transport's network stream has no socket"
+
+
+def test_a_connection_that_cannot_be_watched_is_said_once_and_shown_in_stats(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Never silently: the first given-up probe whose connection cannot be watched logs one WARNING (per process),
+    and the stats of every guard it happens to say so; the watch settles at once, and no answer is counted."""
+    monkeypatch.setattr(WARN_ONCE, "_said", set())
+    caplog.set_level(logging.WARNING, logger="llama_guard")
+    stats = [GuardStats(), GuardStats()]
+    for each in stats + stats:
+        state = RequestState(
+            httpx.Request("GET", "http://127.0.0.1:9/health"),
+            Origin("http", "127.0.0.1", 9),
+            GuardPolicy(),
+            each,
+            None,
+            body=b"",
+            stream=False,
+            started=time.monotonic(),
+            book=ProbeBook(),
+        )
+        state.probe_started()
+        watch = state.probe_given_up(0.5, WatchedConnection.of(None))
+        state.origin_probes.check_given_up()
+        assert watch.settled
+    warnings = [record.getMessage() for record in caplog.records if "could not be watched" in record.getMessage()]
+    assert len(warnings) == 1
+    assert "the transport's network stream has no socket" in warnings[0]
+    for each in stats:
+        snapshot = each.snapshot()
+        assert snapshot.late_answers_unseen is not None
+        assert (snapshot.probes_given_up, snapshot.probes_answered_late) == (2, 0)
+    assert GuardStats().snapshot().late_answers_unseen is None
 
 
 def test_given_up_watches_end_with_their_transport(pair: tuple[socket.socket, socket.socket]) -> None:

@@ -12,6 +12,7 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy
+from llama_guard._core.log import WARN_ONCE
 from llama_guard._httpx import internals
 from llama_guard.testing import LlamaServerEmulator
 
@@ -25,7 +26,7 @@ UNTESTED = "1.9.99"
 def untested_httpcore(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """httpcore reports a version the gate does not know, from before the transports are built until after."""
     monkeypatch.setattr(httpcore, "__version__", UNTESTED)
-    monkeypatch.setattr(internals, "_WARNED", set())  # the warning is once per process: a clean slate
+    monkeypatch.setattr(WARN_ONCE, "_said", set())  # the warning is once per process: a clean slate
     caplog.set_level(logging.WARNING, logger="llama_guard")
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from .._core.log import logger
+from .._core.log import WARN_ONCE
 
 __all__ = [
     "SESSION_REQUEST_METHOD",
@@ -37,7 +37,6 @@ __all__ = [
 # The versions whose private attributes used here were read and run against (the guard's aiohttp tests).
 TESTED_VERSIONS: frozenset[str] = frozenset({"3.12.15", "3.13.5", "3.14.5"})
 
-_WARNED: set[str] = set()
 
 # Where install() hooks every session, those created before it included: wrap this method at class level (wrapt:
 # module, name) to call `guard_session(self, ...)` before each request; only when `untested_version()` is None.
@@ -62,9 +61,8 @@ def untested_version() -> str | None:
 def check_version() -> str | None:
     """`untested_version()`, logged once per process for each untested version."""
     reason = untested_version()
-    if reason is not None and reason not in _WARNED:
-        _WARNED.add(reason)
-        logger.warning("%s", reason)
+    if reason is not None:
+        WARN_ONCE.warning(reason)
     return reason
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from .._core.log import logger
+from .._core.log import WARN_ONCE
 from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
@@ -26,7 +26,6 @@ from .middleware import GuardMiddleware
 
 __all__ = ["guard_of", "guard_session", "guarded_session", "unguard_session"]
 
-_WARNED: set[str] = set()
 _GUARDS: weakref.WeakKeyDictionary[aiohttp.ClientSession, GuardMiddleware] = weakref.WeakKeyDictionary()
 
 
@@ -105,6 +104,5 @@ def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware, *, own_resend
         why = "aiohttp's own resend of idempotent requests stays on"
     if why is not None:
         guard.stats.public_path = why
-        if why not in _WARNED and untested_version() is None:  # else the version gate has said it once
-            _WARNED.add(why)
-            logger.warning("llama_guard on an aiohttp session: %s", why)
+        if untested_version() is None:  # else the version gate has said it once
+            WARN_ONCE.warning(f"llama_guard on an aiohttp session: {why}")

@@ -27,27 +27,31 @@ __all__ = ["EXPIRY", "GivenUpWatches", "WatchedConnection", "Expiry"]
 
 class WatchedConnection:
     """A duplicate of a given-up connection's socket: `peek` looks for an answer without reading, `close` ends it.
-    Thread-safe: the expiry thread and a transport's own thread may both reach it."""
+    Thread-safe: the expiry thread and a transport's own thread may both reach it.
 
-    __slots__ = ("_lock", "_sock")
+    Without a socket (the connection was closed already, or the transport has none) it reads as closed; ``unseen``
+    then says why a late answer could not be seen, when one might have come (None for a closed connection)."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock: socket.socket | None = sock
+    __slots__ = ("_lock", "_sock", "unseen")
+
+    def __init__(self, sock: socket.socket | None, unseen: str | None = None) -> None:
+        self._sock = sock
         self._lock = threading.Lock()
+        self.unseen = unseen
 
     @classmethod
-    def of(cls, raw_socket: Any) -> WatchedConnection | None:
+    def of(cls, raw_socket: Any) -> WatchedConnection:
         """Send FIN on ``raw_socket`` (a `socket.socket` or a backend's wrapper of one: asyncio's, trio's) and
-        duplicate it; None when there is no socket to duplicate (a transport without one, a closed socket)."""
+        duplicate it."""
         if raw_socket is None:
-            return None
+            return cls(None, "the transport's network stream has no socket")
         try:
             fileno = raw_socket.fileno()
             if fileno < 0:
-                return None
+                return cls(None)  # closed: the connection is gone, no answer can come
             duplicate = socket.fromfd(fileno, raw_socket.family, raw_socket.type)
-        except (OSError, AttributeError, ValueError):
-            return None
+        except (OSError, AttributeError, ValueError) as error:
+            return cls(None, f"its socket could not be duplicated ({type(error).__name__}: {error})")
         with contextlib.suppress(OSError):
             duplicate.shutdown(socket.SHUT_WR)
         duplicate.setblocking(False)

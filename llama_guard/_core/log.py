@@ -13,10 +13,20 @@ from __future__ import annotations
 import logging
 import re
 import threading
+import time
 
 from .origins import Origin
 
-__all__ = ["EPISODE_SECONDS", "STALL_LOG", "StallLog", "describe_request", "logger", "without_quoted_values"]
+__all__ = [
+    "EPISODE_SECONDS",
+    "STALL_LOG",
+    "WARN_ONCE",
+    "StallLog",
+    "WarnOnce",
+    "describe_request",
+    "logger",
+    "without_quoted_values",
+]
 
 logger = logging.getLogger("llama_guard")
 logger.addHandler(logging.NullHandler())
@@ -36,6 +46,7 @@ class StallLog:
         self._lock = threading.Lock()
         self._counts: dict[Origin, int] = {}
         self._timers: dict[Origin, threading.Timer] = {}
+        self._started: dict[Origin, float] = {}
 
     def replaced(self, origin: Origin, detail: str) -> None:
         """One stalled connection to ``origin`` is being replaced; ``detail``: the DEBUG record's text."""
@@ -44,18 +55,25 @@ class StallLog:
             self._counts[origin] = self._counts.get(origin, 0) + 1
             if origin in self._timers:
                 return
+            self._started[origin] = time.monotonic()
             timer = self._timers[origin] = threading.Timer(self._episode, self.flush, args=(origin,))
             timer.daemon = True
         timer.start()
 
     def flush(self, origin: Origin | None = None) -> None:
         """Log the episode of ``origin`` now (of every origin if None), and end it."""
+        now = time.monotonic()
         with self._lock:
             origins = list(self._counts) if origin is None else [origin]
-            ended = [(item, self._counts.pop(item, 0), self._timers.pop(item, None)) for item in origins]
-        for item, count, timer in ended:
+            ended = [
+                (item, self._counts.pop(item, 0), self._timers.pop(item, None), self._started.pop(item, now))
+                for item in origins
+            ]
+        for item, count, timer, started in ended:
             if timer is not None:
                 timer.cancel()
+            # An episode flushed early (its transport closed) names the time it lasted, not the full episode's.
+            seconds = max(0.1, round(min(now - started, self._episode), 1))
             if count:
                 logger.warning(
                     "replaced %d stalled connection%s to %s in the last %g s (llama-server before b11737 did not read "
@@ -63,11 +81,32 @@ class StallLog:
                     count,
                     "" if count == 1 else "s",
                     item,
-                    self._episode,
+                    seconds,
                 )
 
 
 STALL_LOG = StallLog()
+
+
+class WarnOnce:
+    """A WARNING logged the first time only, process-wide: for a condition that holds for as long as the process
+    runs (a library version, a transport that gives no socket), which the stats then keep showing."""
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
+
+    def warning(self, message: str) -> bool:
+        """Log ``message`` unless it was logged before; True if it was logged now."""
+        with self._lock:
+            if message in self._said:
+                return False
+            self._said.add(message)
+        logger.warning("%s", message)
+        return True
+
+
+WARN_ONCE = WarnOnce()
 
 
 def describe_request(method: str, scheme: str, host: str, port: int | None, path: str) -> str:

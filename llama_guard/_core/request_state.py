@@ -22,7 +22,7 @@ from .decisions import (
     verdict_for_status,
 )
 from .late_answers import WatchedConnection
-from .log import STALL_LOG, describe_request, logger
+from .log import STALL_LOG, WARN_ONCE, describe_request, logger
 from .origin_probes import PROBE_BOOK, GivenUpProbe, OriginProbes, ProbeBook
 from .origins import Origin
 from .policy import GuardPolicy
@@ -269,18 +269,26 @@ class RequestState:
         """The probe was cancelled with its request: neither answered nor failed."""
         self.origin_probes.probe_failed(self.probe_number)
 
-    def probe_given_up(self, seconds: float, connection: WatchedConnection | None) -> GivenUpProbe:
+    def probe_given_up(self, seconds: float, connection: WatchedConnection) -> GivenUpProbe:
         """The probe's deadline passed. ``connection``, kept half closed, is watched for a late answer
         (`OriginProbes.probe_given_up`) and closed when the watch settles, or when the returned watch is ended (its
-        transport closes); None if there is nothing to watch. The adapter closes its own stream either way."""
+        transport closes). The adapter closes its own stream either way."""
         self.failed_probes += 1
         self.stats.record_probe(seconds, answered=False, given_up=True)
-        started = time.monotonic() - seconds
-        watch = self.policy.probe_timeout_max
-        if connection is None:
-            return self.origin_probes.probe_given_up(self.probe_number, _gone, self.stats, started, watch=watch)
+        if connection.unseen is not None:
+            why = (
+                f"a connection whose probe was given up could not be watched for a late answer: {connection.unseen}; "
+                "such false alarms go uncounted (probes_answered_late) and do not raise the learnt probe deadline"
+            )
+            self.stats.late_answers_unseen = why
+            WARN_ONCE.warning(f"llama_guard: {why}")
         return self.origin_probes.probe_given_up(
-            self.probe_number, connection.peek, self.stats, started, watch=watch, close=connection.close
+            self.probe_number,
+            connection.peek,
+            self.stats,
+            time.monotonic() - seconds,
+            watch=self.policy.probe_timeout_max,
+            close=connection.close,
         )
 
     def probe_closed(self, status: int) -> bool:
@@ -426,7 +434,3 @@ class RequestState:
         self.first_byte = first_byte = time.monotonic() - self.started
         self.closed_by_header = self.close_connection
         return new_result((self.attempts, self.reconnects, first_byte, self.stream, connection_closed, self.history))
-
-
-def _gone() -> bool:
-    return False  # for the origin's watch: a connection that could not be kept tells nothing

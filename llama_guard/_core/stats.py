@@ -130,6 +130,9 @@ class StatsSnapshot:
     # Why new connections are not probed although the policy asks for it (the wrapped transport sends without
     # httpcore, so the guard cannot reach its connections); None while probing works or is off by policy.
     probing_off: str | None = None
+    # Why a connection whose probe was given up could not be watched for a late answer (the transport gave no
+    # socket to duplicate): false alarms then go uncounted. None while every given-up connection was watched.
+    late_answers_unseen: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
@@ -156,6 +159,7 @@ class StatsSnapshot:
         data["admission_wait"] = self.admission_wait.as_dict() if self.admission_wait is not None else None
         data["public_path"] = self.public_path
         data["probing_off"] = self.probing_off
+        data["late_answers_unseen"] = self.late_answers_unseen
         return data
 
 
@@ -172,6 +176,7 @@ class GuardStats:
         self._lock = threading.Lock()
         self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
         self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
+        self.late_answers_unseen: str | None = None  # set when a given-up connection cannot be watched; ditto
         self.reset()
 
     def reset(self) -> None:
@@ -253,6 +258,7 @@ class GuardStats:
                 admission_wait=self.admission_wait.summary(),
                 public_path=self.public_path,
                 probing_off=self.probing_off,
+                late_answers_unseen=self.late_answers_unseen,
             )
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ import httpcore2 as httpcore
 import httpx2 as httpx
 
 from .._core.decisions import is_streaming_response
-from .._core.log import logger
+from .._core.log import WARN_ONCE
 
 __all__ = [
     "KEEPALIVE_EXPIRY",
@@ -55,8 +55,6 @@ TESTED_VERSIONS: dict[str, frozenset[str]] = {
 # a pool that reuses a connection just as the server closes it loses the request. Expire ours a second earlier.
 KEEPALIVE_EXPIRY = 4.0
 
-_WARNED: set[str] = set()
-
 
 def untested_versions() -> str | None:
     """None when the imported httpcore and httpx are versions in `TESTED_VERSIONS`; else why not, naming them.
@@ -76,9 +74,8 @@ def untested_versions() -> str | None:
 def check_versions() -> str | None:
     """`untested_versions()`, logged once per process for each untested version."""
     reason = untested_versions()
-    if reason is not None and reason not in _WARNED:
-        _WARNED.add(reason)
-        logger.warning("%s", reason)
+    if reason is not None:
+        WARN_ONCE.warning(reason)
     return reason
 
 
