@@ -189,6 +189,9 @@ def guard_counters(client: httpx.Client) -> dict[str, int]:
     }
     if hasattr(snap, "probes_answered_late"):  # given up, then answered all the same: false alarms
         counters["probes_answered_late"] = snap.probes_answered_late
+    if hasattr(snap, "probe_kicks"):  # kick connections opened (probe_kick), and the probes rescued by them
+        counters["probe_kicks"] = snap.probe_kicks
+        counters["probes_rescued"] = snap.probes_rescued
     return counters
 
 

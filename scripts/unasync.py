@@ -41,6 +41,7 @@ UNASYNC: Rules = (
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),
     (r"\bhttpx\.AsyncHTTPTransport\b", "httpx.HTTPTransport"),
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),
+    (r"\bhttpcore\.AnyIOBackend\(\)", "httpcore.SyncBackend()"),
     (r"\bhandle_async_request\b", "handle_request"),
     (r"\btenacity\.AsyncRetrying\(sleep=anyio\.sleep\b", "tenacity.Retrying(sleep=time.sleep"),
     (r"^import anyio\n", ""),

@@ -608,7 +608,8 @@ def test_library_logger_has_a_null_handler() -> None:
 def test_one_warning_per_stall_episode(flavor: str, caplog: pytest.LogCaptureFixture) -> None:
     """A burst with stalled connections logs one WARNING with their number; each reconnect is a DEBUG record."""
     caplog.set_level(logging.DEBUG, logger="llama_guard")
-    STALL_LOG.flush()
+    STALL_LOG.flush()  # an earlier test's episode, whose server may have had this test's port
+    caplog.clear()
     with LlamaServerEmulator(http_threads=4) as server:
         drivers = run_scenario(
             flavor, functools.partial(burst, timeout=30.0), flavor, server.url, server.port, True, 16

@@ -172,6 +172,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
         st.floats(min_value=1.0, max_value=1000.0, allow_nan=False), st.integers(min_value=1, max_value=1000)
     ),
     "probe_timeout_min": _seconds(allow_zero=False, allow_none=False),
+    "probe_kick": st.booleans(),
     "connect_admission": st.sampled_from(["after_stall", "always", "off"]),
     "max_attempts": st.integers(min_value=1, max_value=100),
     "max_retry_time": _seconds(allow_zero=True, allow_none=True),
@@ -198,6 +199,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
         st.sampled_from([math.nan, math.inf, True, False, None, "4", 0]),
     ),
     "probe_timeout_min": _bad_seconds(allow_zero=False, allow_none=False),
+    "probe_kick": _NOT_BOOL,
     "connect_admission": st.one_of(
         st.text(max_size=12).filter(lambda text: text not in ("after_stall", "always", "off")),
         st.sampled_from(["Always", None, 1, b"off"]),
@@ -1225,7 +1227,9 @@ def test_parse_retry_after_of_ascii_values_never_raises(value: str) -> None:
     seconds = parse_retry_after(value)
     assert seconds is None or (seconds >= 0 and not math.isnan(seconds))
     if value.strip().isdigit():
-        assert seconds == float(value)
+        # float() of the stripped text: str.strip() also takes control characters such as "\x1f" (found by this
+        # test), which float() of the whole value refuses.
+        assert seconds == float(value.strip())
 
 
 @pytest.mark.slow  # 20 exchanges under trio, several seconds

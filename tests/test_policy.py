@@ -54,6 +54,7 @@ def test_keyword_only_and_frozen() -> None:
         ("max_retry_after", math.inf, "max_retry_after"),
         ("retry_non_idempotent", "yes", "retry_non_idempotent"),
         ("probe_learning", "on", "probe_learning must be True or False"),
+        ("probe_kick", 1, "probe_kick must be True or False"),
         ("probe_learning_factor", 0.5, "probe_learning_factor must be a number from 1 to 1000"),
         ("probe_learning_factor", math.nan, "probe_learning_factor"),
         ("probe_learning_factor", True, "probe_learning_factor"),

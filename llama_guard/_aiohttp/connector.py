@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 
 from .._core.late_answers import GivenUpWatches, WatchedConnection
+from .._core.log import logger
 from .._core.origin_probes import PROBE_SLICE, OriginProbes
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
@@ -36,6 +37,23 @@ __all__ = ["KEEPALIVE_TIMEOUT", "GuardConnector", "ProbingHooks"]
 # llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), aiohttp 15 s: a pooled connection the
 # server has closed would be handed out. Expire ours a second before the server's.
 KEEPALIVE_TIMEOUT = 4.0
+
+
+_KICK_CONNECT_TIMEOUT = 1.0
+
+
+async def _kick(run: AiohttpRequest) -> None:
+    """Open one TCP connection to the origin and close it at once (`GuardPolicy.probe_kick`): accepting it makes
+    llama-server's pool spawn a thread (before b11737), which serves the oldest unread connection first. Nothing is
+    written: the server reads the end of the connection and closes its side."""
+    host = run.aiohttp_request.url.host or run.origin.host
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, run.origin.port), _KICK_CONNECT_TIMEOUT)
+    except (OSError, asyncio.TimeoutError) as exc:
+        logger.debug("kick connection to %s failed: %s", run.origin, exc)
+    else:
+        writer.close()
+    run.probe_kicked()  # counted either way: the next kick waits twice as long
 
 
 class GuardConnector(aiohttp.TCPConnector):
@@ -109,9 +127,16 @@ class ProbingHooks(ConnectionHooks):
         try:
             transport.write(exchange.request_bytes())
             while not reader.answered.done():
-                remaining = deadline - (time.monotonic() - started)
+                elapsed = time.monotonic() - started
+                remaining = deadline - elapsed
                 if remaining <= 0:
                     raise asyncio.TimeoutError
+                kick = run.next_kick()
+                if kick is not None:
+                    if elapsed >= kick:
+                        await _kick(run)
+                        continue
+                    remaining = min(remaining, kick - elapsed)
                 await asyncio.wait((reader.answered,), timeout=min(remaining, PROBE_SLICE))
                 if not reader.answered.done():
                     # While probes wait, given-up ones are watched; the deadline in force may change meanwhile

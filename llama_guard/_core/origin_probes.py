@@ -94,6 +94,7 @@ class OriginProbes:
         "_answers",
         "_given_up",
         "_in_progress",
+        "_kicked_before",
         "_last_given_up",
         "_lock",
         "_next_ticket",
@@ -112,6 +113,9 @@ class OriginProbes:
         # (when, probe number) of recent answers: tells an answer drained by a newer connection.
         self._recent_answers: collections.deque[tuple[float, int]] = collections.deque(maxlen=WINDOW)
         self._probes_started = 0
+        # Probes numbered up to this one were waiting when a kick connection was opened (probe_kick): their answers
+        # may come from the thread the kick woke, so they are not learnt from.
+        self._kicked_before = 0
         self._probes_pending: set[int] = set()
         self._given_up: list[GivenUpProbe] = []
         self._last_given_up = -RECOVERY_WINDOW
@@ -148,12 +152,20 @@ class OriginProbes:
             return self._probes_started
 
     def probe_answered(self, seconds: float, number: int) -> None:
-        """The probe ``number`` (from `probe_started`) was answered in ``seconds``."""
+        """The probe ``number`` (from `probe_started`) was answered in ``seconds``: learnt from, unless a kick went
+        out while it waited (`kicked`)."""
         self.check_given_up()
         with self._lock:
             self._probes_pending.discard(number)
-            self._answers.append(seconds)
+            if number > self._kicked_before:
+                self._answers.append(seconds)
             self._recent_answers.append((time.monotonic(), number))
+
+    def kicked(self) -> None:
+        """A kick connection to the origin was opened: the probes waiting now may be served by the thread it wakes,
+        whichever probe opened it, so their answers time the rescue, not the server."""
+        with self._lock:
+            self._kicked_before = self._probes_started
 
     def probe_failed(self, number: int) -> None:
         """The probe ``number`` failed with an error (a given-up one: `probe_given_up`)."""

@@ -80,6 +80,7 @@ class RequestState:
         "history",
         "policy",
         "probe_deadline_used",
+        "probe_kicks",
         "probe_number",
         "prober",
         "reconnects",
@@ -118,6 +119,7 @@ class RequestState:
         self.book = book if book is not None else PROBE_BOOK
         self.probe_deadline_used = policy.probe_timeout
         self.probe_number = 0
+        self.probe_kicks = 0  # kick connections opened for the probe in progress
         self.policy = policy
         self.stats = stats
         self.prober = prober
@@ -235,9 +237,10 @@ class RequestState:
 
     def next_probe_deadline(self) -> float:
         """The deadline of this request's next probe: the origin's deadline in force (`OriginProbes.deadline`) for
-        its first probe, the configured ladder (`probe_deadline`) after one was given up."""
+        its first probe, the configured ladder (`probe_deadline`) after one was given up, or with kicks on (then
+        the learnt deadline is when the first kick goes: `next_kick`)."""
         policy = self.policy
-        if self.failed_probes:
+        if self.failed_probes or policy.probe_kick:
             # The learnt deadline is for a first probe only: a request whose probe was given up waits the configured
             # ladder from then on, so a server that turned slow since the guard learnt (load arriving) costs that
             # request a reconnect, never its attempts (the late answer raises the learnt deadline for the next ones).
@@ -252,11 +255,27 @@ class RequestState:
         self.probe_deadline_used = deadline
         return deadline
 
+    def next_kick(self) -> float | None:
+        """Seconds into the probe at which it opens its next kick connection (`GuardPolicy.probe_kick`): the
+        origin's learnt deadline, then 2, 4, 8... times it; None when no kick comes before the probe is given up
+        (kicks off, nothing learnt yet, or the give-up comes first). Read after `next_probe_deadline`."""
+        if not self.policy.probe_kick:
+            return None
+        at = self.origin_probes.deadline(self.policy) * (2**self.probe_kicks)
+        return at if at < self.probe_deadline_used else None
+
+    def probe_kicked(self) -> None:
+        """A kick connection was opened for this probe."""
+        self.probe_kicks += 1
+        self.stats.add(probe_kicks=1)
+        self.origin_probes.kicked()
+
     def probe_started(self) -> None:
         self.probe_number = self.origin_probes.probe_started()
+        self.probe_kicks = 0
 
     def probe_answered(self, seconds: float) -> None:
-        self.stats.record_probe(seconds, answered=True)
+        self.stats.record_probe(seconds, answered=True, rescued=self.probe_kicks > 0)
         self.origin_probes.probe_answered(seconds, self.probe_number)
 
     def probe_failed(self, seconds: float) -> None:

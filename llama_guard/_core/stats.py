@@ -118,6 +118,10 @@ class StatsSnapshot:
     # afterwards all the same: false alarms, the connection was being served, only late.
     probes_given_up: int = 0
     probes_answered_late: int = 0
+    # Kick connections opened for probes that waited the learnt deadline (probe_kick), and the probes answered
+    # after a kick: stalled connections rescued instead of replaced.
+    probe_kicks: int = 0
+    probes_rescued: int = 0
     # New connections that waited for their turn to be opened (connect_admission), and how long they waited.
     admission_waits: int = 0
     errors: dict[str, int] = field(default_factory=dict)
@@ -149,6 +153,8 @@ class StatsSnapshot:
                 "probes_failed",
                 "probes_given_up",
                 "probes_answered_late",
+                "probe_kicks",
+                "probes_rescued",
                 "admission_waits",
             )
         }
@@ -192,6 +198,8 @@ class GuardStats:
             self.probes_failed = 0
             self.probes_given_up = 0
             self.probes_answered_late = 0
+            self.probe_kicks = 0
+            self.probes_rescued = 0
             self.admission_waits = 0
             self.admission_wait = LatencyHistogram()
             self.errors: Counter[str] = Counter()
@@ -223,12 +231,14 @@ class GuardStats:
         finally:
             lock.release()
 
-    def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False) -> None:
-        """A probe ended: answered in ``seconds``, or failed (``given_up``: its deadline passed)."""
+    def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
+        """A probe ended: answered in ``seconds`` (``rescued``: after a kick), or failed (``given_up``: its deadline
+        passed)."""
         with self._lock:
             self.probes_sent += 1
             if answered:
                 self.probe_latency.record(seconds)
+                self.probes_rescued += rescued
             else:
                 self.probes_failed += 1
                 self.probes_given_up += given_up
@@ -251,6 +261,8 @@ class GuardStats:
                 probes_failed=self.probes_failed,
                 probes_given_up=self.probes_given_up,
                 probes_answered_late=self.probes_answered_late,
+                probe_kicks=self.probe_kicks,
+                probes_rescued=self.probes_rescued,
                 admission_waits=self.admission_waits,
                 errors=dict(self.errors),
                 first_byte=self.first_byte.summary(),
@@ -266,11 +278,12 @@ class GuardStats:
         fb = snap.first_byte
         latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
         probing = " probing=off" if snap.probing_off is not None else ""
+        kicks = f" probe_kicks={snap.probe_kicks} probes_rescued={snap.probes_rescued}" if snap.probe_kicks else ""
         return (
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "
             f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
             f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} "
             f"probes_given_up={snap.probes_given_up} probes_answered_late={snap.probes_answered_late} "
-            f"admission_waits={snap.admission_waits}{probing} errors={snap.errors}{latency}>"
+            f"admission_waits={snap.admission_waits}{kicks}{probing} errors={snap.errors}{latency}>"
         )

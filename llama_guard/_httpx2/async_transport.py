@@ -46,6 +46,24 @@ __all__ = ["AsyncGuardTransport"]
 DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
 
 
+# Kicks open a bare TCP connection with httpcore's public backend (the pool's own is the caller's to configure).
+_KICK_BACKEND = httpcore.AnyIOBackend()
+_KICK_CONNECT_TIMEOUT = 1.0
+
+
+async def _kick(run: RequestRun) -> None:
+    """Open one TCP connection to the origin and close it at once (`GuardPolicy.probe_kick`): accepting it makes
+    llama-server's pool spawn a thread (before b11737), which serves the oldest unread connection first. Nothing is
+    written: the server reads the end of the connection and closes its side."""
+    try:
+        stream = await _KICK_BACKEND.connect_tcp(run.request.url.host, run.origin.port, timeout=_KICK_CONNECT_TIMEOUT)
+    except (httpcore.NetworkError, httpcore.TimeoutException, OSError) as exc:
+        logger.debug("kick connection to %s failed: %s", run.origin, exc)
+    else:
+        await stream.aclose()
+    run.probe_kicked()  # counted either way: the next kick waits twice as long
+
+
 class AsyncGuardTransport(httpx.AsyncBaseTransport):
     """An httpx async transport that makes a pooled client safe against llama-server.
 
@@ -336,9 +354,16 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             while answer is None:
                 # The deadline in force may change while this probe waits: other probes of the origin are answered.
                 deadline = run.next_probe_deadline()
-                remaining = deadline - (time.monotonic() - started)
+                elapsed = time.monotonic() - started
+                remaining = deadline - elapsed
                 if remaining <= 0:
                     raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
+                kick = run.next_kick()
+                if kick is not None:
+                    if elapsed >= kick:
+                        await _kick(run)
+                        continue
+                    remaining = min(remaining, kick - elapsed)
                 try:
                     data = await stream.read(65536, timeout=min(remaining, PROBE_SLICE))
                 except httpcore.ReadTimeout:

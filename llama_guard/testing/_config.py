@@ -74,6 +74,7 @@ class EmulatorConfig:
     stream_close: str = "after_delay"
     stream_close_delay: float = 0.0
     stall_burst: int | None = None
+    stall_oldest_first: bool = False
     parallel: int = 4
     token_interval: float = 0.0
     n_tokens: int = 8
@@ -115,6 +116,11 @@ class EmulatorConfig:
                 )
             if not self.pool_bug:
                 raise ValueError("stall_burst is the deterministic form of the pool bug: it needs pool_bug=True")
+        _check_bool("stall_oldest_first", self.stall_oldest_first)
+        if self.stall_oldest_first and self.stall_burst is None:
+            raise ValueError(
+                "stall_oldest_first changes how stall_burst's stalled connections are served: it needs stall_burst"
+            )
         _check_int("parallel", self.parallel, 1, 256)
         _check_float("token_interval", self.token_interval, 0.0, 10.0)
         _check_int("n_tokens", self.n_tokens, 0, MAX_TOKENS)

@@ -138,6 +138,13 @@ class LlamaServerEmulator:
         :meth:`release_stalled` is called.  Later connections are served at
         once, as cpp-httplib spawns a dynamic thread when none is idle.  None
         (the default) leaves the stall to the timing-faithful race.
+    ``stall_oldest_first``
+        With ``stall_burst``: a later connection accepted while stalled ones
+        wait is what cpp-httplib's FIFO queue makes of it -- the dynamic
+        thread it spawns serves the *oldest* stalled connection, and the
+        newcomer waits its turn.  A client that keeps its stalled connection
+        and opens another one (``GuardPolicy(probe_kick=True)``) is rescued;
+        a client that replaces it finds its replacement queued behind it.
     ``parallel``/``token_interval``/``n_tokens``
         Slots, seconds per generated token, default tokens per completion
         (``max_tokens``/``n_predict`` in the request win, capped at 4096).
@@ -164,6 +171,7 @@ class LlamaServerEmulator:
         stream_close: str = "after_delay",
         stream_close_delay: float = 0.0,
         stall_burst: int | None = None,
+        stall_oldest_first: bool = False,
         parallel: int = 4,
         token_interval: float = 0.0,
         n_tokens: int = 8,
@@ -185,6 +193,7 @@ class LlamaServerEmulator:
             stream_close=stream_close,
             stream_close_delay=stream_close_delay,
             stall_burst=stall_burst,
+            stall_oldest_first=stall_oldest_first,
             parallel=parallel,
             token_interval=token_interval,
             n_tokens=n_tokens,
@@ -225,7 +234,11 @@ class LlamaServerEmulator:
         # stall_burst: which connections of a burst wait; used under _conn_lock.
         self._gate: StallGate[_QueuedConnection] | None = None
         if self._config.stall_burst is not None:
-            self._gate = StallGate(served_first=self._config.http_threads, burst=self._config.stall_burst)
+            self._gate = StallGate(
+                served_first=self._config.http_threads,
+                burst=self._config.stall_burst,
+                oldest_first=self._config.stall_oldest_first,
+            )
         self._stragglers: list[threading.Thread] = []
         self._ctx = ServerContext(
             config=self._config,
@@ -578,15 +591,17 @@ class LlamaServerEmulator:
             return
         job.gated = True
         with self._conn_lock:
-            serve, began = self._gate.admit(job)
-            if not serve:
+            served, began = self._gate.admit(job)
+            if served is not job:
                 self._queued[job.conn_id] = job  # waiting for a thread, as far as stats and stop() are concerned
         if began:
             self._stats.stall_burst_begun()
-        if serve:
-            self._enqueue(job)
-        else:
+        if served is not job:
             self._stats.connection_stalled()
+        if served is not None:
+            if served is not job:  # stall_oldest_first: the thread this connection spawned serves the oldest one
+                self._stats.stalled_released(by_call=False)
+            self._enqueue(served)
 
     def _enqueue(self, job: _QueuedConnection) -> None:
         """Hand an accepted connection to the pool (which may leave it waiting, unread)."""

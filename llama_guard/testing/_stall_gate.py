@@ -13,7 +13,9 @@ position instead, as if the threads never woke in time:
 * a stalled connection is served when a served connection closes (its thread, now free, takes the oldest waiting
   job: first in, first out) or when the test calls ``release_stalled()``;
 * connections accepted after the ``stall_burst``-th are served at once (cpp-httplib spawns a dynamic thread when
-  it sees no idle one), so a client's reconnect is served on its first try.
+  it sees no idle one), so a client's reconnect is served on its first try; or, with ``oldest_first``, as
+  cpp-httplib's FIFO queue does: the spawned thread serves the oldest stalled connection, and the newcomer is
+  stalled in its place (a closed replacement's stalled predecessor is what that thread then finds).
 
 So a burst of ``stall_burst`` new connections stalls exactly ``stall_burst - http_threads`` of them, and a
 client that replaces its few connections one at a time (a closed one's thread serves the next) never stalls.
@@ -34,18 +36,20 @@ _Job = TypeVar("_Job")
 class StallGate(Generic[_Job]):
     """Which connections of a burst wait; not thread-safe (the emulator calls it under its connection lock)."""
 
-    def __init__(self, *, served_first: int, burst: int) -> None:
+    def __init__(self, *, served_first: int, burst: int, oldest_first: bool = False) -> None:
         if not 0 < served_first < burst:
             raise ValueError(f"need 0 < served_first < burst; got {served_first} and {burst}")
         self._served_first = served_first
         self._burst = burst
+        self._oldest_first = oldest_first
         self._open = 0  # connections admitted and not finished (stalled ones included)
         self._position = 0  # accept order within the current burst
         self._idle = served_first  # threads with nothing to do
         self._stalled: collections.deque[_Job] = collections.deque()
 
-    def admit(self, job: _Job) -> tuple[bool, bool]:
-        """A connection was accepted: (serve it now?, did it begin a burst?). A stalled job is kept until released."""
+    def admit(self, job: _Job) -> tuple[_Job | None, bool]:
+        """A connection was accepted: (the job a thread serves now, if any: ``job`` itself, or with ``oldest_first``
+        the oldest stalled one; did it begin a burst?). A stalled job is kept until released."""
         began = self._open == 0
         if began:
             self._position = 0
@@ -54,11 +58,14 @@ class StallGate(Generic[_Job]):
         self._position += 1
         if self._idle > 0:
             self._idle -= 1
-            return True, began
+            return job, began
         if self._position <= self._burst:
             self._stalled.append(job)
-            return False, began
-        return True, began  # a dynamic thread
+            return None, began
+        if self._oldest_first and self._stalled:  # the dynamic thread takes the front of the queue
+            self._stalled.append(job)
+            return self._stalled.popleft(), began
+        return job, began  # a dynamic thread
 
     def finished(self) -> _Job | None:
         """An admitted connection's life ended: the oldest stalled job, which its freed thread takes, if any."""

@@ -205,7 +205,12 @@ class BurstClient:
 
 
 async def burst_load(
-    flavor: str, server: RealLlamaServer, guarded: bool, duration: float, until_first_answers: bool
+    flavor: str,
+    server: RealLlamaServer,
+    guarded: bool,
+    duration: float,
+    until_first_answers: bool,
+    policy: llama_guard.GuardPolicy | None = None,
 ) -> list[BurstClient]:
     """``BURST`` connections opened at once, one handed to each of ``BURST`` clients, each of which then sends a
     completion every ``BURST_PAUSE`` s for ``duration`` s (or, with ``until_first_answers``, until every
@@ -213,7 +218,9 @@ async def burst_load(
     sockets = open_burst(server.host, server.port, BURST)
     timeout = 10.0 if guarded else 5.0
     clients = [
-        BurstClient(make_driver(flavor, guarded=guarded, base_url=server.url, timeout=timeout, preopened=[sock]))
+        BurstClient(
+            make_driver(flavor, guarded=guarded, base_url=server.url, timeout=timeout, preopened=[sock], policy=policy)
+        )
         for sock in sockets
     ]
     deadline = time.monotonic() + duration
@@ -289,12 +296,18 @@ class BurstRun:
         )
 
 
-def burst_run(real_server: Any, flavor: str, guarded: bool, until_first_answers: bool) -> BurstRun:
+def burst_run(
+    real_server: Any,
+    flavor: str,
+    guarded: bool,
+    until_first_answers: bool,
+    policy: llama_guard.GuardPolicy | None = None,
+) -> BurstRun:
     """One burst on a fresh server, in the conditions that make the pool stall (``_burst.stall_load``)."""
     server = real_server(metrics=guarded, **STALL_SERVER)
     started = time.monotonic()
     with stall_load():
-        clients = run_scenario(flavor, burst_load, flavor, server, guarded, BURST_SECONDS, until_first_answers)
+        clients = run_scenario(flavor, burst_load, flavor, server, guarded, BURST_SECONDS, until_first_answers, policy)
     seconds = time.monotonic() - started
     ran = completions_ran(server, BURST_TOKENS) if guarded else None
     server.stop()
@@ -347,6 +360,45 @@ def test_connection_burst_through_the_guard(real_server):
         f"{STALL_CONDITION}: the burst did not trigger cpp-httplib's thread-pool "
         "stall (defect 2), so this test proved nothing about the guard there; check "
         "test_connection_burst_leaves_connections_unserved (the defect may be fixed in this build)"
+    )
+
+
+@pytest.mark.slow
+def test_connection_burst_with_kicks_rescues_stalled_connections(real_server):
+    """``GuardPolicy(probe_kick=True)``, sync and asyncio: the same burst, in the same conditions. A probe that
+    waited the learnt deadline opens a kick connection; the pool thread it spawns serves the oldest unread
+    connection, so stalled connections are answered where they are. In every run nothing is stuck or fails and
+    the server runs no more than was sent; a run that stalled (a kick went out) rescued at least one probe. A fresh
+    server is tried again only if no kick went out (at most STALL_TRIES, reported)."""
+    policy = llama_guard.GuardPolicy(probe_kick=True)
+    runs: list[BurstRun] = []
+
+    def kicking(flavor: str) -> Callable[[int], BurstRun]:
+        def run(number: int) -> BurstRun:
+            burst = burst_run(real_server, flavor, True, False, policy)
+            runs.append(burst)
+            print(
+                f"guard with kicks {flavor} try {number}, {burst.summary()}; kicks {burst.guard_total('probe_kicks')}, "
+                f"probes rescued {burst.guard_total('probes_rescued')}, given up {burst.guard_total('probes_given_up')}"
+                f" of {burst.guard_total('probes_sent')}"
+            )
+            return burst
+
+        return run
+
+    for flavor in ("sync", "asyncio"):
+        until_stalled(kicking(flavor), lambda burst: burst.guard_total("probe_kicks") > 0)
+    for run in runs:
+        where = f"{run.summary()}"
+        assert run.stuck == 0, f"{where}: {run.stuck} connections never got a first response"
+        assert run.errors == [], f"{where}: {error_kinds(run.errors)}"
+        assert run.server_ran is not None
+        assert run.server_ran <= run.sent, f"{where}: the server ran more completions than were sent"
+        if run.guard_total("probe_kicks"):
+            assert run.guard_total("probes_rescued") >= 1, f"{where}: kicks went out, and rescued nothing"
+    assert any(run.guard_total("probe_kicks") for run in runs), (
+        f"no probe waited the learnt deadline in {STALL_TRIES} bursts per flavour, with {STALL_CONDITION}: the "
+        "pool did not stall, so this test proved nothing about kicks"
     )
 
 
