@@ -86,10 +86,13 @@ STREAM_CLOSE = "guard stream-close only"
 RETRIES = "guard retries only"
 PROBE_FIXED = "guard probe 0.5 s"
 ADAPTIVE = "guard adaptive probe"
+KICKS = "guard adaptive + kicks"
 
 #: The adaptive probe (a deadline learnt per origin, admission of new connections: issue 15), detected by its
 #: policy option so this benchmark runs before and after it is merged.
 HAS_ADAPTIVE = "probe_learning" in {field.name for field in dataclasses.fields(GuardPolicy)}
+#: Kicks (a stalled connection rescued where it is: GuardPolicy(probe_kick=True)), detected the same way.
+HAS_KICKS = "probe_kick" in {field.name for field in dataclasses.fields(GuardPolicy)}
 # Today's fixed 0.5 s probe; once the adaptive one exists, the same with learning and admission switched off.
 _FIXED_PROBE: dict[str, Any] = {"probe_learning": False, "connect_admission": "off"} if HAS_ADAPTIVE else {}
 
@@ -102,8 +105,15 @@ POLICIES: dict[str, GuardPolicy | None] = {
     RETRIES: GuardPolicy(probe=False, stream_mode="off"),
     PROBE_FIXED: GuardPolicy(**_FIXED_PROBE),
     ADAPTIVE: GuardPolicy() if HAS_ADAPTIVE else None,
+    KICKS: GuardPolicy(probe_kick=True) if HAS_KICKS else None,
 }
-BURST_KINDS = (PLAIN, DEADLINE, PROBE_FIXED, *((ADAPTIVE,) if HAS_ADAPTIVE else ()))
+BURST_KINDS = (
+    PLAIN,
+    DEADLINE,
+    PROBE_FIXED,
+    *((ADAPTIVE,) if HAS_ADAPTIVE else ()),
+    *((KICKS,) if HAS_KICKS else ()),
+)
 GUARD_BURST_KINDS = BURST_KINDS[1:]
 PROXY_KINDS = (PLAIN, DEADLINE, DEFAULT, STREAM_CLOSE, RETRIES)
 
@@ -586,7 +596,7 @@ def burst_targets(blocks: Sequence[Block], scenario: str) -> list[str]:
         stuck = sum(b.stuck for b in mine)
         firsts = [f for b in mine for f in b.first_responses if f is not None]
         slowest = max(firsts) if firsts else math.inf
-        target = ADAPTIVE_FIRST_RESPONSE_TARGET if kind == ADAPTIVE else FIRST_RESPONSE_TARGET
+        target = ADAPTIVE_FIRST_RESPONSE_TARGET if kind in (ADAPTIVE, KICKS) else FIRST_RESPONSE_TARGET
         check(
             stuck == 0 and slowest <= target and len(mine) >= 5,
             f"{kind}: {stuck} stuck, slowest first response {fmt_seconds(slowest)} over {len(mine)} runs "

@@ -131,12 +131,10 @@ class ProbingHooks(ConnectionHooks):
                 remaining = deadline - elapsed
                 if remaining <= 0:
                     raise asyncio.TimeoutError
-                kick = run.next_kick()
-                if kick is not None:
-                    if elapsed >= kick:
-                        await _kick(run)
-                        continue
-                    remaining = min(remaining, kick - elapsed)
+                kick_now, remaining = run.probe_wait(elapsed, remaining)
+                if kick_now:
+                    await _kick(run)
+                    continue
                 await asyncio.wait((reader.answered,), timeout=min(remaining, PROBE_SLICE))
                 if not reader.answered.done():
                     # While probes wait, given-up ones are watched; the deadline in force may change meanwhile

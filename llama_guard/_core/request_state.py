@@ -264,6 +264,16 @@ class RequestState:
         at = self.origin_probes.deadline(self.policy) * (2**self.probe_kicks)
         return at if at < self.probe_deadline_used else None
 
+    def probe_wait(self, elapsed: float, remaining: float) -> tuple[bool, float]:
+        """For a probe waiting ``elapsed`` s, with ``remaining`` s to its deadline: (open a kick now?, how long to
+        wait before looking again: until the next kick at most)."""
+        kick = self.next_kick()
+        if kick is None:
+            return False, remaining
+        if elapsed >= kick:
+            return True, 0.0
+        return False, min(remaining, kick - elapsed)
+
     def probe_kicked(self) -> None:
         """A kick connection was opened for this probe."""
         self.probe_kicks += 1

@@ -358,12 +358,10 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 remaining = deadline - elapsed
                 if remaining <= 0:
                     raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
-                kick = run.next_kick()
-                if kick is not None:
-                    if elapsed >= kick:
-                        await _kick(run)
-                        continue
-                    remaining = min(remaining, kick - elapsed)
+                kick_now, remaining = run.probe_wait(elapsed, remaining)
+                if kick_now:
+                    await _kick(run)
+                    continue
                 try:
                     data = await stream.read(65536, timeout=min(remaining, PROBE_SLICE))
                 except httpcore.ReadTimeout:

@@ -357,12 +357,10 @@ class GuardTransport(httpx.BaseTransport):
                 remaining = deadline - elapsed
                 if remaining <= 0:
                     raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
-                kick = run.next_kick()
-                if kick is not None:
-                    if elapsed >= kick:
-                        _kick(run)
-                        continue
-                    remaining = min(remaining, kick - elapsed)
+                kick_now, remaining = run.probe_wait(elapsed, remaining)
+                if kick_now:
+                    _kick(run)
+                    continue
                 try:
                     data = stream.read(65536, timeout=min(remaining, PROBE_SLICE))
                 except httpcore.ReadTimeout:
