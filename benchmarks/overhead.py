@@ -23,8 +23,8 @@ immune: stolen and contended CPU inflates it).
 Large bodies (also alone, ``--large-bodies-only``): chat requests of 2 MB ASCII, 2 MB with ``\\u`` escapes and 6 MB
 of escapes, ``"stream"`` false and true, sync, the whole stack in memory. The guard's extra CPU time per request
 (guard minus bare, median of interleaved blocks) is printed against ``json.loads`` of the same body, as a ratio;
-the target is at most 1 (a body that cannot ask for a stream is filtered without a parse; one that may is
-parsed once, at ``json.loads`` speed).
+the target is at most 1 (a body that cannot ask for a stream is filtered without a parse; one that may is read
+from its structure, also without a parse, unless it holds too many strings after its key).
 
 Repeatable counts (``_counts.py``; ``--instructions`` for them alone; otherwise they end every run when valgrind is
 found, unless ``--no-instructions``): instructions and simulated cache misses per request, sync and asyncio, the
@@ -870,7 +870,7 @@ def large_body_rows(blocks: int, block: int) -> str:
     against ``json.loads`` of the same body: medians of interleaved blocks (bare, guard, json.loads), one run.
 
     "stream": false is answered by the byte filter without a parse (no colon followed by true after a "stream"
-    key); "stream": true is parsed and runs the checks that only a stream needs, and the guard then sends
+    key); "stream": true is read from the body's structure (its last top-level key), and the guard then sends
     ``Connection: close``, so each of those requests also opens a new (in-memory) connection and probes it: that
     is in its figure too."""
     rows = []
