@@ -605,21 +605,26 @@ def test_library_logger_has_a_null_handler() -> None:
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_one_warning_per_stall_episode(flavor: str, caplog: pytest.LogCaptureFixture) -> None:
-    """A burst with stalled connections logs one WARNING with their number; each reconnect is a DEBUG record."""
+def test_one_warning_per_stall_episode(
+    flavor: str, caplog: pytest.LogCaptureFixture, stalling_server: LlamaServerEmulator
+) -> None:
+    """A burst with stalled connections logs one WARNING with their number; each reconnect is a DEBUG record. The
+    stall is the deterministic one (12 of 16 connections), not the timing race, which a loaded machine may not
+    lose."""
     caplog.set_level(logging.DEBUG, logger="llama_guard")
     STALL_LOG.flush()  # an earlier test's episode, whose server may have had this test's port
     caplog.clear()
-    with LlamaServerEmulator(http_threads=4) as server:
-        drivers = run_scenario(
-            flavor, functools.partial(burst, timeout=30.0), flavor, server.url, server.port, True, 16
-        )
+    server = stalling_server
+    clients = server.config.stall_burst or 0
+    drivers = run_scenario(
+        flavor, functools.partial(burst, timeout=30.0), flavor, server.url, server.port, True, clients
+    )
     reconnects = sum(d.stats.stall_reconnects for d in drivers)
     origin = f"http://127.0.0.1:{server.port}"
     ours = [r for r in caplog.records if r.name == "llama_guard" and origin in r.getMessage()]
     warnings = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
     details = [r for r in ours if r.levelno == logging.DEBUG and "retrying POST" in r.getMessage()]
-    assert reconnects >= 1
+    assert reconnects >= clients - server.config.http_threads  # every stalled connection, at least
     assert len(warnings) == 1, warnings
     said = re.fullmatch(
         f"replaced {reconnects} stalled connection{'s' if reconnects > 1 else ''} to {re.escape(origin)} "
