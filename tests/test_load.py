@@ -76,9 +76,11 @@ def test_proxy_like_load_loses_requests_with_plain_httpx(flavor: str) -> None:
     dropped_errors = [e for e in errors if isinstance(e, httpx.RemoteProtocolError)]
     if flavor == "sync":
         # On top: httpcore's own race between threads sharing a pool (a socket closed under a reader, "Bad file
-        # descriptor"), which strikes requests that did run, and some of the dropped ones.
+        # descriptor"), which strikes requests that did run, and some of the dropped ones; with two CPU-bound
+        # processes beside the suite a reader caught in it also waited out the 10 s timeout (ReadTimeout, seen in a
+        # clean-clone CI run and reproduced once in a run of its own).
         assert len(errors) >= dropped
-        assert {type(e) for e in errors} <= {httpx.RemoteProtocolError, httpx.ReadError}
+        assert {type(e) for e in errors} <= {httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout}
     else:
         assert len(dropped_errors) == len(errors) == dropped
 
