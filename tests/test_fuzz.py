@@ -692,12 +692,17 @@ def bodies_with_escapes(draw: st.DrawFn) -> bytes:
 @example(b'{"stream": true, "prompt": "\\u005cud800"}')  # an escaped backslash spelt \u005c: no surrogate
 @example(b'{"stream": true, "p": "\\ud800", "p": "x"}')  # the overwritten value must be valid too
 @example(b'{"stream": true, "p": "\\ud83d\\ude00", "p": "x"}')
+# More quotes (17) than the least budget of the reading from the end:
+@example(b'{"stream": true, "": "", "list": ["\\u0075' + b'\\"' * 10 + b'", 1, true]}')
 def test_stream_detection_of_escaped_backslashes_and_surrogates(body: bytes) -> None:
     expected = llama_server_streams(body)
     event(f"streams: {expected}")
     assert wants_stream(body) is expected  # a small body: its text is searched
-    # A large body is read from its end, exact for a body llama-server accepts ...
-    large = body[:-1] + b', "padding": "' + b"x" * wants_stream_module.BYTE_CHECK_LIMIT + b'"}'
+    # A large body is read from its end, exact for a body llama-server accepts, when the body is long enough to pass
+    # every quote it holds (one per 8 KiB of body: up to 12 escaped quotes in each string here) ...
+    room = (body.count(b'"') + 4) * wants_stream_module._STRINGS_PER_BYTES
+    padding = max(wants_stream_module.BYTE_CHECK_LIMIT, room)
+    large = body[:-1] + b', "padding": "' + b"x" * padding + b'"}'
     assert top_level_stream_without_parse(large) is not None
     assert_read_as_llama_server_does(large)
     # ... and parsed when its strings are too many to pass (here escaped quotes), every lone surrogate checked: then
