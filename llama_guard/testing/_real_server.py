@@ -29,6 +29,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -120,6 +121,27 @@ def _http_get(host: str, port: int, path: str, timeout: float) -> tuple[int, lis
         conn.close()
 
 
+# A server outlives a test process killed without cleanup (SIGKILL, a crash, a CI job's timeout), and a stray
+# llama-server keeps a core busy for every later test. So a watchdog process beside each server (as the CPU hogs
+# of _cpu_load.py do) watches the process that started the server, and kills the server once that process is gone;
+# it exits on its own when the server does. `RealLlamaServer.stop` kills it before reaping the server, so it never
+# holds a pid that could be reused.
+_WATCHDOG = """\
+import os, signal, sys, time
+parent, server = int(sys.argv[1]), int(sys.argv[2])
+while os.getppid() == parent:
+    time.sleep(0.2)
+    try:
+        os.kill(server, 0)
+    except ProcessLookupError:
+        sys.exit(0)
+try:
+    os.kill(server, signal.SIGKILL)
+except ProcessLookupError:
+    pass
+"""
+
+
 class RealLlamaServer:
     """A fresh ``llama-server`` subprocess on a free 127.0.0.1 port.
 
@@ -187,6 +209,7 @@ class RealLlamaServer:
         self._own_log = log_path is None
         self.log_path: Path = Path(log_path) if log_path is not None else Path(self._make_temp_log())
         self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
         self._log_offset = 0
         self._started_at = 0.0
@@ -244,6 +267,17 @@ class RealLlamaServer:
                 raise
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def _watch_for_orphaning(self) -> None:
+        """Start the watchdog that kills the server if this process dies without stopping it (`_WATCHDOG`)."""
+        assert self._proc is not None
+        self._watchdog = subprocess.Popen(
+            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self._proc.pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C in the terminal must not end it before the server is stopped
+        )
+
     def _launch(self) -> None:
         self._log_file = self.log_path.open("ab")
         self._log_offset = self._log_file.tell()
@@ -263,6 +297,7 @@ class RealLlamaServer:
             # pytest's fixtures stop the server in order.
             start_new_session=True,
         )
+        self._watch_for_orphaning()
 
     def _pin(self) -> None:
         if self.cpus is not None and self._proc is not None and self._proc.poll() is None:
@@ -298,6 +333,11 @@ class RealLlamaServer:
         Idempotent; bounded by about ``2 * stop_timeout`` seconds.
         """
         proc, self._proc = self._proc, None
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:  # first, so that it never outlives the server it names
+            with contextlib.suppress(ProcessLookupError):
+                watchdog.kill()
+            watchdog.wait()
         code: int | None = None
         if proc is not None:
             if proc.poll() is None:

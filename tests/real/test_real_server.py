@@ -14,6 +14,11 @@ the two server-side counts available in b11434 (there is no request counter):
 
 from __future__ import annotations
 
+import os
+import select
+import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -96,3 +101,45 @@ def test_metrics_and_log_count_each_completion_once(real_server):
     log = server.log_text()
     assert log.count("processing task") == 5
     assert "/health" not in log  # requests themselves are not logged
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not exited (a zombie waiting to be reaped has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+STARTER = """\
+import sys, time
+from pathlib import Path
+from llama_guard.testing._real_server import RealLlamaServer
+server = RealLlamaServer(Path(sys.argv[1]), binary=Path(sys.argv[2]), log_path=Path(sys.argv[3])).start()
+print(server.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_does_not_outlive_a_killed_test_process(llama_server_bin, tiny_model, tmp_path):
+    """A test process killed without cleanup (SIGKILL: no fixture, no finally runs) leaves no llama-server behind:
+    the watchdog started beside the server kills it."""
+    args = [str(tiny_model), str(llama_server_bin), str(tmp_path / "server.log")]
+    starter = subprocess.Popen([sys.executable, "-c", STARTER, *args], stdout=subprocess.PIPE)
+    pid = None
+    try:
+        assert starter.stdout is not None
+        ready, _, _ = select.select([starter.stdout], [], [], 120)
+        assert ready, "the starter printed no server pid within 120 s"
+        pid = int(starter.stdout.readline())
+        assert running(pid)
+        starter.kill()
+        starter.wait()
+        assert wait_for(lambda: not running(pid), timeout=10), "llama-server outlived the process that started it"
+    finally:
+        starter.kill()
+        starter.wait()
+        if pid is not None and running(pid):  # the test failed: do not leave it behind either
+            os.kill(pid, signal.SIGKILL)
