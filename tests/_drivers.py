@@ -430,6 +430,26 @@ async def gather(flavor: str, jobs: list[Callable[[], Awaitable[Any]]]) -> None:
                 group.start_soon(job)
 
 
+async def each_asks_then_close(
+    flavor: str, drivers: Sequence[Driver], path: str, body: dict[str, Any], *, times: int = 1
+) -> None:
+    """Every driver POSTs ``body`` to ``path`` ``times`` times, one after the other, all drivers at once; then
+    every driver is closed, whatever happened (each driver keeps its own outcomes)."""
+
+    def job(driver: Driver) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            for _ in range(times):
+                await driver.request("POST", path, json=body)
+
+        return run
+
+    try:
+        await gather(flavor, [job(d) for d in drivers])
+    finally:
+        for driver in drivers:
+            await close_driver(driver)
+
+
 async def _in_thread(function: Callable[[], Any], limiter: anyio.CapacityLimiter) -> None:
     await anyio.to_thread.run_sync(function, limiter=limiter)
 

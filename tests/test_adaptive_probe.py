@@ -1,5 +1,9 @@
 """The adaptive probe: a deadline learnt per origin, admission of new connections, late answers, one log line per
-stall episode. The core as tables of cases; the whole on the emulator, over real loopback sockets."""
+stall episode. The core as tables of cases; the whole on the emulator, over real loopback sockets.
+
+The tests of a probe given up at the learnt deadline run with ``probe_kick=False``: with kicks (the default) the
+learnt deadline is when the first kick goes, and the probe is given up at ``probe_timeout``
+(tests/test_probe_kick.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from llama_guard._core.stats import GuardStats
 from llama_guard._core.turns import AsyncTurn, ThreadTurn
 from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
 
-from ._drivers import FLAVORS, Driver, close_driver, gather, make_driver, run_scenario
+from ._drivers import FLAVORS, Driver, close_driver, each_asks_then_close, make_driver, run_scenario
 from .test_mechanisms import CHAT, burst, chat
 
 ORIGIN = Origin("http", "127.0.0.1", 1)
@@ -254,7 +258,7 @@ def test_reset_probe_learning_forgets_every_origin() -> None:
 def test_learnt_deadline_converges_and_catches_a_stall_sooner(flavor: str) -> None:
     """After 4 answers the deadline in force is learnt, below the configured one; a connection the server never
     reads is then given up at the learnt deadline (its ProbeTimeout names it) and replaced."""
-    policy = GuardPolicy(probe_timeout=3.0)
+    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         assert probes.deadline(policy) == 3.0
@@ -296,7 +300,7 @@ def test_deadline_follows_rising_load(flavor: str) -> None:
     """Learnt on a fast server, then the server turns slow (every /health read 0.3 s after the learnt deadline):
     the first probe after the change is given up (the deadline in force was shorter), the deadline rises from the
     answers of the request's further probes, and probes stop being given up."""
-    policy = GuardPolicy(probe_timeout=3.0, backoff=0.01, max_attempts=8)
+    policy = GuardPolicy(probe_timeout=3.0, backoff=0.01, max_attempts=8, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         run_scenario(flavor, new_connections, flavor, server.url, policy, LEARN_AFTER)
@@ -332,7 +336,7 @@ async def given_up_then_answered(flavor: str, server: LlamaServerEmulator, polic
 def test_probe_answered_late_is_counted_and_raises_the_deadline(flavor: str) -> None:
     """A probe given up on a connection that the server then serves: counted in probes_answered_late, and the
     deadline rises above that answer's latency."""
-    policy = GuardPolicy(probe_timeout=3.0)
+    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         run_scenario(flavor, new_connections, flavor, server.url, policy, LEARN_AFTER)
@@ -462,18 +466,7 @@ def counted_driver(flavor: str, url: str, policy: GuardPolicy, counter: OpenCoun
 async def lazy_burst(flavor: str, url: str, policy: GuardPolicy, counter: OpenCounter, clients: int) -> list[Driver]:
     """``clients`` clients ask at once, each on its own new connection."""
     drivers = [counted_driver(flavor, url, policy, counter) for _ in range(clients)]
-
-    def job(driver: Driver) -> Any:
-        async def run() -> None:
-            await driver.request("POST", CHAT, json=chat(stream=False))
-
-        return run
-
-    try:
-        await gather(flavor, [job(d) for d in drivers])
-    finally:
-        for driver in drivers:
-            await close_driver(driver)
+    await each_asks_then_close(flavor, drivers, CHAT, chat(stream=False))
     return drivers
 
 
@@ -616,8 +609,9 @@ def test_one_warning_per_stall_episode(
     caplog.clear()
     server = stalling_server
     clients = server.config.stall_burst or 0
+    replacing = GuardPolicy(probe_kick=False)  # rescues by kicks: tests/test_probe_kick.py
     drivers = run_scenario(
-        flavor, functools.partial(burst, timeout=30.0), flavor, server.url, server.port, True, clients
+        flavor, functools.partial(burst, timeout=30.0, policy=replacing), flavor, server.url, server.port, True, clients
     )
     reconnects = sum(d.stats.stall_reconnects for d in drivers)
     origin = f"http://127.0.0.1:{server.port}"
@@ -652,7 +646,7 @@ def test_an_episode_flushed_early_names_the_time_it_lasted(caplog: pytest.LogCap
 def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
     """After a probe was given up, the request's next probes wait the configured ladder (0.5, 1, 2 s by default):
     a server that turned slow since the guard learnt costs the request a reconnect, never its attempts."""
-    policy = GuardPolicy()
+    policy = GuardPolicy(probe_kick=False)
     book = ProbeBook()
     request = httpx.Request("POST", f"http://{ORIGIN.host}:{ORIGIN.port}{CHAT}")
     state = RequestState(
@@ -665,3 +659,34 @@ def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
         state.probe_given_up(deadlines[-1], WatchedConnection(None))
         deadlines.append(state.next_probe_deadline())
     assert deadlines == [pytest.approx(policy.probe_timeout_min), 0.5, 1.0, 2.0]
+
+
+def test_with_kicks_the_learnt_deadline_is_when_the_kicks_go() -> None:
+    """With kicks (the default) a first probe waits ``probe_timeout``; its kicks go at the learnt deadline, then 2,
+    4, 8... times it, none at or after the give-up; between kicks the probe looks again at the next one."""
+    policy = GuardPolicy()
+    assert policy.probe_kick
+    state = RequestState(
+        httpx.Request("POST", f"http://{ORIGIN.host}:{ORIGIN.port}{CHAT}"),
+        ORIGIN,
+        policy,
+        GuardStats(),
+        None,
+        body=b"{}",
+        stream=False,
+        started=time.monotonic(),
+        book=ProbeBook(),
+    )
+    assert state.next_probe_deadline() == policy.probe_timeout
+    state.probe_started()
+    assert state.next_kick() is None  # nothing learnt yet: no kick before the give-up
+    answered(state.origin_probes, *(0.001,) * LEARN_AFTER)
+    assert state.probe_wait(0.01, 0.49) == (False, pytest.approx(0.04))  # wait for the first kick, not longer
+    kicks = []
+    while (at := state.next_kick()) is not None:
+        assert state.probe_wait(at, policy.probe_timeout - at) == (True, 0.0)
+        kicks.append(at)
+        state.probe_kicked()
+    assert kicks == pytest.approx([0.05, 0.1, 0.2, 0.4])
+    assert state.probe_wait(0.45, 0.05) == (False, 0.05)  # the kicks are spent: wait for the give-up
+    assert state.stats.snapshot().probe_kicks == 4

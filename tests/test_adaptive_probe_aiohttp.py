@@ -45,7 +45,7 @@ async def new_connections(url: str, policy: GuardPolicy, count: int, timeout: fl
 def test_learnt_deadline_is_used_and_a_given_up_probe_says_so() -> None:
     """After 4 answers the learnt deadline is in force: a connection the server never reads is given up at it, and
     the error says the probe got no answer within that deadline (not aiohttp's "Cannot connect to host")."""
-    policy = GuardPolicy(probe_timeout=3.0)
+    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)  # given up at the learnt deadline: without kicks
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         learning = asyncio.run(new_connections(server.url, policy, LEARN_AFTER))
@@ -89,7 +89,7 @@ async def given_up_then_answered(server: LlamaServerEmulator, policy: GuardPolic
 def test_probe_answered_late_is_counted_and_raises_the_deadline() -> None:
     """A probe given up on a connection the server then serves: counted in probes_answered_late, and the deadline
     rises above that answer's latency."""
-    policy = GuardPolicy(probe_timeout=3.0)
+    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)  # given up at the learnt deadline: without kicks
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         asyncio.run(new_connections(server.url, policy, LEARN_AFTER))

@@ -19,7 +19,7 @@ import llama_guard
 from llama_guard import GuardPolicy
 from llama_guard.testing import Fault, LlamaServerEmulator, open_burst
 
-from ._drivers import FLAVORS, close_driver, gather, make_driver, run_scenario
+from ._drivers import FLAVORS, close_driver, each_asks_then_close, gather, make_driver, run_scenario
 
 pytestmark = pytest.mark.parametrize("flavor", FLAVORS)
 
@@ -110,19 +110,7 @@ async def burst(
     ]
     if drivers is not None:
         drivers.extend(made)
-
-    def job(driver: Any) -> Any:
-        async def run() -> None:
-            for _ in range(2):
-                await driver.request("POST", CHAT, json=chat(stream=False))
-
-        return run
-
-    try:
-        await gather(flavor, [job(d) for d in made])
-    finally:
-        for driver in made:
-            await close_driver(driver)
+    await each_asks_then_close(flavor, made, CHAT, chat(stream=False), times=2)
     return made
 
 
@@ -189,8 +177,8 @@ def test_burst_guarded_clients_replace_exactly_the_stalled_connections(
     clients, served = server.config.stall_burst or 0, server.config.http_threads
     stalled = clients - served
     # A healthy probe must not time out on a loaded machine (that would replace a good connection too); a stalled
-    # one never answers, whatever the deadline.
-    policy = GuardPolicy(probe_timeout=1.0)
+    # one never answers, whatever the deadline. Replaced, not rescued by kicks (the default, tests/test_probe_kick.py).
+    policy = GuardPolicy(probe_timeout=1.0, probe_kick=False)
     guarded = functools.partial(burst, timeout=30.0, policy=policy)
     drivers = run_scenario(flavor, guarded, flavor, server.url, server.port, True, clients)
     stats = server.stats()

@@ -1,4 +1,5 @@
-"""``GuardPolicy(probe_kick=True)``: a stalled connection rescued instead of replaced, on every stack.
+"""Kicks (``GuardPolicy.probe_kick``, on by default): a stalled connection rescued instead of replaced, on every
+stack, with one WARNING per episode.
 
 The emulator's ``stall_oldest_first`` serves stalled connections as cpp-httplib's FIFO queue does: a connection
 accepted after the burst spawns a thread that takes the *oldest* stalled connection, and waits its turn itself.
@@ -9,16 +10,27 @@ answered there; without kicks the probe's deadline passes and the connection is 
 from __future__ import annotations
 
 import functools
+import logging
+import re
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
-from llama_guard import GuardPolicy
+from llama_guard import GuardPolicy, Origin
+from llama_guard._core.log import STALL_LOG, WARN_ONCE
+from llama_guard._core.origin_probes import ProbeBook
+from llama_guard._core.stats import GuardStats
+from llama_guard._httpx.async_transport import _kick as async_kick
+from llama_guard._httpx.attempts import RequestRun
+from llama_guard._httpx.sync_transport import _kick as sync_kick
 from llama_guard.testing import LlamaServerEmulator, open_burst
 
-from ._drivers import FLAVORS, close_driver, gather, make_driver, run_scenario
+from ._drivers import FLAVORS, each_asks_then_close, make_driver, run_scenario
 from .test_mechanisms import CHAT, chat, poll
 
 HTTP_THREADS = 4
@@ -28,8 +40,8 @@ CLIENTS = [pytest.param(flavor, "httpx", id=flavor) for flavor in FLAVORS] + [
     pytest.param("asyncio", "aiohttp", id="aiohttp")
 ]
 # The probe waits long enough that only a stall, never a slow machine, can reach the deadline; the learnt deadline
-# (from the served connections' answers, at least 0.05 s) is when the kicks go.
-KICKING = GuardPolicy(probe_kick=True, probe_timeout=5.0, probe_timeout_max=5.0)
+# (from the served connections' answers, at least 0.05 s) is when the kicks go. Kicks are the default.
+KICKING = GuardPolicy(probe_timeout=5.0, probe_timeout_max=5.0)
 NOT_KICKING = GuardPolicy(probe_kick=False, probe_timeout=5.0, probe_timeout_max=5.0)
 
 
@@ -58,18 +70,7 @@ async def burst(flavor: str, library: str, url: str, port: int, policy: GuardPol
         )
         for sock in sockets
     ]
-
-    def job(driver: Any) -> Any:
-        async def run() -> None:
-            await driver.request("POST", CHAT, json=chat(stream=False))
-
-        return run
-
-    try:
-        await gather(flavor, [job(d) for d in drivers])
-    finally:
-        for driver in drivers:
-            await close_driver(driver)
+    await each_asks_then_close(flavor, drivers, CHAT, chat(stream=False))
     return drivers
 
 
@@ -114,3 +115,85 @@ def test_without_kicks_the_stalled_connections_are_given_up(
     assert counts["probes_given_up"] >= 1, counts
     assert counts["stall_reconnects"] >= 1, counts
     assert server.stats().completions_started == BURST
+
+
+@pytest.mark.parametrize(("flavor", "library"), CLIENTS)
+def test_one_warning_per_episode_of_rescues(
+    flavor: str, library: str, caplog: pytest.LogCaptureFixture, fifo_server: LlamaServerEmulator
+) -> None:
+    """The rescues of a burst are one WARNING naming how many there were (and any replaced); each rescue is a
+    DEBUG record."""
+    caplog.set_level(logging.DEBUG, logger="llama_guard")
+    STALL_LOG.flush()  # an earlier test's episode, whose server may have had this test's port
+    caplog.clear()
+    server = fifo_server
+    drivers = run_scenario(flavor, functools.partial(burst, policy=KICKING), flavor, library, server.url, server.port)
+    STALL_LOG.flush()  # the episode ends when its transports close (httpx) or 2 s after it began (aiohttp): now
+    counts = totals(drivers)
+    origin = f"http://127.0.0.1:{server.port}"
+    ours = [r.getMessage() for r in caplog.records if r.name == "llama_guard" and origin in r.getMessage()]
+    warnings = [m for m in ours if "stalled connection" in m]
+    assert len(warnings) == 1, warnings
+    said = re.fullmatch(
+        rf"rescued (\d+) stalled connections? to {re.escape(origin)} in the last [0-9.]+ s \(llama-server before "
+        r"b11737 had not read them; a kick connection made it read the rescued ones; no request was lost; each one "
+        r"at DEBUG level on the 'llama_guard' logger\)",
+        warnings[0],
+    )
+    assert said is not None, warnings[0]
+    assert int(said.group(1)) == counts["probes_rescued"] >= 1, counts
+    details = [m for m in ours if re.search(r"answered its probe after [0-9.]+ s and \d+ kicks?$", m)]
+    assert len(details) == counts["probes_rescued"], details
+
+
+def unused_port() -> int:
+    """A loopback port nothing listens on: connecting to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+def kick_once(flavor: str, port: int) -> RequestRun:
+    """One kick of a fresh request to ``port``, by the httpx transport's own ``_kick`` of that flavour."""
+    run = RequestRun(
+        httpx.Request("POST", f"http://127.0.0.1:{port}{CHAT}"),
+        Origin("http", "127.0.0.1", port),
+        GuardPolicy(),
+        GuardStats(),
+        None,
+        body=b"{}",
+        stream=False,
+        user_stream=None,
+        started=time.monotonic(),
+        book=ProbeBook(),
+    )
+    if flavor == "sync":
+        sync_kick(run)
+    else:
+        anyio.run(async_kick, run, backend=flavor)
+    return run
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_kick_that_cannot_connect_is_counted_and_said_once(
+    flavor: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Never silently: kicks that fail leave stalled connections to be replaced; one WARNING says so, and
+    ``probe_kicks_failed`` counts them."""
+    monkeypatch.setattr(WARN_ONCE, "_said", set())
+    caplog.set_level(logging.WARNING, logger="llama_guard")
+    port = unused_port()
+    runs = [kick_once(flavor, port) for _ in range(2)]
+    assert [(r.stats.probe_kicks, r.stats.probe_kicks_failed, r.probe_kicks) for r in runs] == [(1, 1, 1)] * 2
+    warnings = [r.getMessage() for r in caplog.records if r.name == "llama_guard"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"llama_guard: kick connections to http://127.0.0.1:{port} fail (ConnectError): ")
+    assert "probe_kicks_failed" in warnings[0]
+    # The control: a kick that connects is counted, not as failed, and says nothing.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        run = kick_once(flavor, listener.getsockname()[1])
+        accepted, _ = listener.accept()  # the kick reached the listener
+        accepted.close()
+    assert (run.stats.probe_kicks, run.stats.probe_kicks_failed) == (1, 0)
+    assert len([r for r in caplog.records if r.name == "llama_guard"]) == 1

@@ -23,7 +23,6 @@ from typing import Any
 import aiohttp
 
 from .._core.late_answers import GivenUpWatches, WatchedConnection
-from .._core.log import logger
 from .._core.origin_probes import PROBE_SLICE, OriginProbes
 from .._core.origins import Origin
 from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
@@ -50,10 +49,10 @@ async def _kick(run: AiohttpRequest) -> None:
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, run.origin.port), _KICK_CONNECT_TIMEOUT)
     except (OSError, asyncio.TimeoutError) as exc:
-        logger.debug("kick connection to %s failed: %s", run.origin, exc)
+        run.probe_kicked(exc)
     else:
         writer.close()
-    run.probe_kicked()  # counted either way: the next kick waits twice as long
+        run.probe_kicked()
 
 
 class GuardConnector(aiohttp.TCPConnector):

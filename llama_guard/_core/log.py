@@ -5,7 +5,7 @@ its user info, its headers or its body.
 
 As the Python docs advise for a library, the logger has a `logging.NullHandler` and no other: an application
 that configures logging sees the guard's records; one that does not is not written to. A burst of stalled
-connections is one WARNING per origin and episode (`StallLog`); each reconnect is a DEBUG record.
+connections is one WARNING per origin and episode (`StallLog`); each rescue or reconnect is a DEBUG record.
 """
 
 from __future__ import annotations
@@ -37,22 +37,31 @@ EPISODE_SECONDS = 2.0
 
 
 class StallLog:
-    """Stalled connections replaced, counted per origin and logged once per episode: the first replacement opens
-    an episode, and ``episode`` seconds later one WARNING says how many there were (a timer thread, so that the
-    line comes even if the process sends nothing more)."""
+    """Stalled connections rescued by a kick or replaced, counted per origin and logged once per episode: the first
+    of them opens an episode, and ``episode`` seconds later one WARNING says how many there were (a timer thread,
+    so that the line comes even if the process sends nothing more)."""
 
     def __init__(self, episode: float = EPISODE_SECONDS) -> None:
         self._episode = episode
         self._lock = threading.Lock()
-        self._counts: dict[Origin, int] = {}
+        self._counts: dict[Origin, dict[str, int]] = {}
         self._timers: dict[Origin, threading.Timer] = {}
         self._started: dict[Origin, float] = {}
 
     def replaced(self, origin: Origin, detail: str) -> None:
         """One stalled connection to ``origin`` is being replaced; ``detail``: the DEBUG record's text."""
+        self._count(origin, "replaced", detail)
+
+    def rescued(self, origin: Origin, detail: str) -> None:
+        """A connection to ``origin`` that had not answered its probe by the learnt deadline answered after a kick
+        (`GuardPolicy.probe_kick`); ``detail``: the DEBUG record's text."""
+        self._count(origin, "rescued", detail)
+
+    def _count(self, origin: Origin, what: str, detail: str) -> None:
         logger.debug("%s", detail)
         with self._lock:
-            self._counts[origin] = self._counts.get(origin, 0) + 1
+            counts = self._counts.setdefault(origin, {})
+            counts[what] = counts.get(what, 0) + 1
             if origin in self._timers:
                 return
             self._started[origin] = time.monotonic()
@@ -66,23 +75,31 @@ class StallLog:
         with self._lock:
             origins = list(self._counts) if origin is None else [origin]
             ended = [
-                (item, self._counts.pop(item, 0), self._timers.pop(item, None), self._started.pop(item, now))
+                (item, self._counts.pop(item, {}), self._timers.pop(item, None), self._started.pop(item, now))
                 for item in origins
             ]
-        for item, count, timer, started in ended:
+        for item, counts, timer, started in ended:
             if timer is not None:
                 timer.cancel()
-            # An episode flushed early (its transport closed) names the time it lasted, not the full episode's.
-            seconds = max(0.1, round(min(now - started, self._episode), 1))
-            if count:
-                logger.warning(
-                    "replaced %d stalled connection%s to %s in the last %g s (llama-server before b11737 did not read "
-                    "them; no request was lost; each one at DEBUG level on the 'llama_guard' logger)",
-                    count,
-                    "" if count == 1 else "s",
-                    item,
-                    seconds,
-                )
+            if counts:
+                # An episode flushed early (its transport closed) names the time it lasted, not the full episode's.
+                seconds = max(0.1, round(min(now - started, self._episode), 1))
+                logger.warning("%s", _episode_line(item, counts.get("rescued", 0), counts.get("replaced", 0), seconds))
+
+
+def _episode_line(origin: Origin, rescued: int, replaced: int, seconds: float) -> str:
+    """``rescued 27 and replaced 1 stalled connections to ORIGIN in the last 0.4 s (...)``."""
+    done = " and ".join(f"{verb} {count}" for verb, count in (("rescued", rescued), ("replaced", replaced)) if count)
+    plural = "" if rescued + replaced == 1 else "s"
+    how = (
+        "llama-server before b11737 did not read them"
+        if not rescued
+        else "llama-server before b11737 had not read them; a kick connection made it read the rescued ones"
+    )
+    return (
+        f"{done} stalled connection{plural} to {origin} in the last {seconds:g} s ({how}; no request was lost; "
+        "each one at DEBUG level on the 'llama_guard' logger)"
+    )
 
 
 STALL_LOG = StallLog()

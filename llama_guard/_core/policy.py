@@ -106,12 +106,13 @@ class GuardPolicy:
             ``probe_timeout``.
         probe_learning_factor: the safety factor over the slowest recent answer (default 4.0; at least 1).
         probe_timeout_min: the floor of the learnt deadline (default 0.05 seconds; ``probe_timeout`` wins if lower).
-        probe_kick: rescue a stalled connection instead of replacing it (default False). When a first probe has
+        probe_kick: rescue a stalled connection instead of replacing it (default True). When a first probe has
             waited the learnt deadline, the guard opens one more TCP connection to the origin and closes it at once
             (a *kick*), and keeps waiting on the probe, until ``probe_timeout``: llama-server before b11737 spawns a
             pool thread for the new connection, which serves the *oldest* unread connection first, the stalled one.
             Kicks repeat at 2, 4, 8... times the learnt deadline. An answer after a kick is not learnt from (it
             measures the rescue, not the server). A kick sends no request: the server reads nothing from it.
+            False: a first probe is given up at the learnt deadline, and the connection replaced.
         connect_admission: when new connections to an origin are opened and probed one at a time, each waiting until
             the previous one's probe was answered or given up. ``"after_stall"`` (default): for 5 s after a probe of
             that origin was given up, so that reconnects do not reach the server as a new burst. ``"always"``: for
@@ -138,7 +139,7 @@ class GuardPolicy:
     probe_learning: bool = True
     probe_learning_factor: float = 4.0
     probe_timeout_min: float = 0.05
-    probe_kick: bool = False
+    probe_kick: bool = True
     connect_admission: AdmissionMode = "after_stall"
     max_attempts: int = 4
     max_retry_time: float | None = 60.0

@@ -274,18 +274,36 @@ class RequestState:
             return True, 0.0
         return False, min(remaining, kick - elapsed)
 
-    def probe_kicked(self) -> None:
-        """A kick connection was opened for this probe."""
+    def probe_kicked(self, failure: BaseException | None = None) -> None:
+        """A kick connection was opened for this probe and closed, or (``failure``) could not be opened: counted
+        either way (the next kick waits twice as long), and a failing kick is said once per process, since the
+        stalled connections it was for are then given up and replaced."""
         self.probe_kicks += 1
-        self.stats.add(probe_kicks=1)
         self.origin_probes.kicked()
+        if failure is None:
+            self.stats.add(probe_kicks=1)
+            return
+        self.stats.add(probe_kicks=1, probe_kicks_failed=1)
+        logger.debug("kick connection to %s failed: %s", self.origin, failure)
+        WARN_ONCE.warning(
+            f"llama_guard: kick connections to {self.origin} fail ({type(failure).__name__}): a connection the "
+            "server left unread is given up at probe_timeout and replaced instead of rescued; "
+            "stats.probe_kicks_failed counts them (GuardPolicy(probe_kick=False) turns kicks off)"
+        )
 
     def probe_started(self) -> None:
         self.probe_number = self.origin_probes.probe_started()
         self.probe_kicks = 0
 
     def probe_answered(self, seconds: float) -> None:
-        self.stats.record_probe(seconds, answered=True, rescued=self.probe_kicks > 0)
+        rescued = self.probe_kicks > 0
+        self.stats.record_probe(seconds, answered=True, rescued=rescued)
+        if rescued:  # one WARNING per burst, each rescue at DEBUG
+            STALL_LOG.rescued(
+                self.origin,
+                f"{self.description}: the new connection answered its probe after {seconds:.2f} s and "
+                f"{self.probe_kicks} kick{'s' if self.probe_kicks > 1 else ''}",
+            )
         self.origin_probes.probe_answered(seconds, self.probe_number)
 
     def probe_failed(self, seconds: float) -> None:

@@ -118,9 +118,10 @@ class StatsSnapshot:
     # afterwards all the same: false alarms, the connection was being served, only late.
     probes_given_up: int = 0
     probes_answered_late: int = 0
-    # Kick connections opened for probes that waited the learnt deadline (probe_kick), and the probes answered
-    # after a kick: stalled connections rescued instead of replaced.
+    # Kick connections opened for probes that waited the learnt deadline (probe_kick), those that could not connect
+    # (counted in probe_kicks too), and the probes answered after a kick: stalled connections rescued, not replaced.
     probe_kicks: int = 0
+    probe_kicks_failed: int = 0
     probes_rescued: int = 0
     # New connections that waited for their turn to be opened (connect_admission), and how long they waited.
     admission_waits: int = 0
@@ -154,6 +155,7 @@ class StatsSnapshot:
                 "probes_given_up",
                 "probes_answered_late",
                 "probe_kicks",
+                "probe_kicks_failed",
                 "probes_rescued",
                 "admission_waits",
             )
@@ -199,6 +201,7 @@ class GuardStats:
             self.probes_given_up = 0
             self.probes_answered_late = 0
             self.probe_kicks = 0
+            self.probe_kicks_failed = 0
             self.probes_rescued = 0
             self.admission_waits = 0
             self.admission_wait = LatencyHistogram()
@@ -262,6 +265,7 @@ class GuardStats:
                 probes_given_up=self.probes_given_up,
                 probes_answered_late=self.probes_answered_late,
                 probe_kicks=self.probe_kicks,
+                probe_kicks_failed=self.probe_kicks_failed,
                 probes_rescued=self.probes_rescued,
                 admission_waits=self.admission_waits,
                 errors=dict(self.errors),
@@ -278,7 +282,12 @@ class GuardStats:
         fb = snap.first_byte
         latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
         probing = " probing=off" if snap.probing_off is not None else ""
-        kicks = f" probe_kicks={snap.probe_kicks} probes_rescued={snap.probes_rescued}" if snap.probe_kicks else ""
+        kicks = (
+            f" probe_kicks={snap.probe_kicks} probe_kicks_failed={snap.probe_kicks_failed} "
+            f"probes_rescued={snap.probes_rescued}"
+            if snap.probe_kicks
+            else ""
+        )
         return (
             f"<GuardStats requests={snap.requests} passthrough={snap.passthrough} attempts={snap.attempts} "
             f"retries={snap.retries} "

@@ -57,10 +57,10 @@ def _kick(run: RequestRun) -> None:
     try:
         stream = _KICK_BACKEND.connect_tcp(run.request.url.host, run.origin.port, timeout=_KICK_CONNECT_TIMEOUT)
     except (httpcore.NetworkError, httpcore.TimeoutException, OSError) as exc:
-        logger.debug("kick connection to %s failed: %s", run.origin, exc)
+        run.probe_kicked(exc)
     else:
         stream.close()
-    run.probe_kicked()  # counted either way: the next kick waits twice as long
+        run.probe_kicked()
 
 
 class GuardTransport(httpx.BaseTransport):

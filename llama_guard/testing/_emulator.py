@@ -143,7 +143,7 @@ class LlamaServerEmulator:
         wait is what cpp-httplib's FIFO queue makes of it -- the dynamic
         thread it spawns serves the *oldest* stalled connection, and the
         newcomer waits its turn.  A client that keeps its stalled connection
-        and opens another one (``GuardPolicy(probe_kick=True)``) is rescued;
+        and opens another one (``GuardPolicy.probe_kick``, the default) is rescued;
         a client that replaces it finds its replacement queued behind it.
     ``parallel``/``token_interval``/``n_tokens``
         Slots, seconds per generated token, default tokens per completion
