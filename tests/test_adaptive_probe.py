@@ -569,8 +569,8 @@ def test_reconnects_after_a_stall_are_admitted_in_turn(flavor: str, stalling_ser
     clients, served = server.config.stall_burst or 0, server.config.http_threads
     stalled = clients - served
     # A floor above a busy machine's answer time (the emulator shares the test's GIL): no healthy connection is given
-    # up, so the counts are exact.
-    policy = GuardPolicy(probe_timeout_min=0.5)
+    # up, so the counts are exact. Replaced, not rescued by kicks (the default, tests/test_probe_kick.py).
+    policy = GuardPolicy(probe_timeout_min=0.5, probe_kick=False)
     guarded = functools.partial(burst, timeout=30.0, policy=policy)
     drivers = run_scenario(flavor, guarded, flavor, server.url, server.port, True, clients)
     stats = server.stats()
@@ -679,7 +679,13 @@ def test_with_kicks_the_learnt_deadline_is_when_the_kicks_go() -> None:
     )
     assert state.next_probe_deadline() == policy.probe_timeout
     state.probe_started()
-    assert state.next_kick() is None  # nothing learnt yet: no kick before the give-up
+    # Nothing learnt yet: kicks at a quarter and half of the probe's deadline, none at the give-up.
+    assert state.next_kick() == pytest.approx(0.125)
+    state.probe_kicked()
+    assert state.next_kick() == pytest.approx(0.25)
+    state.probe_kicked()
+    assert state.next_kick() is None
+    state.probe_started()  # the next probe, once the origin's answers taught a deadline
     answered(state.origin_probes, *(0.001,) * LEARN_AFTER)
     assert state.probe_wait(0.01, 0.49) == (False, pytest.approx(0.04))  # wait for the first kick, not longer
     kicks = []
@@ -689,4 +695,4 @@ def test_with_kicks_the_learnt_deadline_is_when_the_kicks_go() -> None:
         state.probe_kicked()
     assert kicks == pytest.approx([0.05, 0.1, 0.2, 0.4])
     assert state.probe_wait(0.45, 0.05) == (False, 0.05)  # the kicks are spent: wait for the give-up
-    assert state.stats.snapshot().probe_kicks == 4
+    assert state.stats.snapshot().probe_kicks == 6

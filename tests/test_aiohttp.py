@@ -89,8 +89,8 @@ async def burst(url: str, port: int, guarded: bool, clients: int, stats: GuardSt
     connection, made of the pre-opened socket); then every session asks twice."""
     sockets = open_burst("127.0.0.1", port, clients)
     # The floor keeps a healthy probe on a busy machine (the emulator shares the test's GIL) from being given up, so
-    # that the counts below are exact.
-    policy = GuardPolicy(probe_timeout_min=0.5) if guarded else None
+    # that the counts below are exact. Replaced, not rescued by kicks (the default, tests/test_probe_kick.py).
+    policy = GuardPolicy(probe_timeout_min=0.5, probe_kick=False) if guarded else None
     drivers = [
         make_aiohttp_driver(guarded=guarded, base_url=url, policy=policy, limit=1, timeout=3.0, preopened=[sock])
         for sock in sockets

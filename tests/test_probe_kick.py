@@ -53,10 +53,10 @@ def fifo_server(request: pytest.FixtureRequest) -> Iterator[LlamaServerEmulator]
         yield server
 
 
-async def burst(flavor: str, library: str, url: str, port: int, policy: GuardPolicy) -> list[Any]:
-    """``BURST`` connections opened back to back, one handed to each client, which then asks once."""
+async def burst(flavor: str, library: str, url: str, port: int, policy: GuardPolicy, size: int = BURST) -> list[Any]:
+    """``size`` connections opened back to back, one handed to each client, which then asks once."""
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    sockets = open_burst("127.0.0.1", port, BURST)
+    sockets = open_burst("127.0.0.1", port, size)
     drivers = [
         make_driver(
             flavor,
@@ -197,3 +197,23 @@ def test_a_kick_that_cannot_connect_is_counted_and_said_once(
         accepted.close()
     assert (run.stats.probe_kicks, run.stats.probe_kicks_failed) == (1, 0)
     assert len([r for r in caplog.records if r.name == "llama_guard"]) == 1
+
+
+@pytest.mark.parametrize(("flavor", "library"), CLIENTS)
+def test_kicks_go_before_anything_is_learnt(flavor: str, library: str) -> None:
+    """A burst whose served connections are too few to learn a deadline from (2 pool threads: 2 answers, 4 needed)
+    still kicks, at a quarter and half of ``probe_timeout``: every stalled connection is rescued, none given up."""
+    threads, size = 2, 8
+    policy = GuardPolicy(probe_timeout=2.0, probe_timeout_max=2.0)
+    with LlamaServerEmulator(http_threads=threads, stall_burst=size, stall_oldest_first=True) as server:
+        drivers = run_scenario(
+            flavor, functools.partial(burst, policy=policy, size=size), flavor, library, server.url, server.port
+        )
+        # The burst's own stalled connections, and kicks that waited their turn behind them (cpp-httplib's queue).
+        assert server.stats().connections_stalled >= size - threads
+    outcomes = [o for d in drivers for o in d.outcomes]
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes if o.error]
+    counts = totals(drivers)
+    assert (counts["probes_given_up"], counts["stall_reconnects"]) == (0, 0), counts
+    assert counts["probe_kicks"] >= size - threads, counts
+    assert counts["probes_rescued"] >= 1, counts

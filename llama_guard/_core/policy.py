@@ -110,8 +110,10 @@ class GuardPolicy:
             waited the learnt deadline, the guard opens one more TCP connection to the origin and closes it at once
             (a *kick*), and keeps waiting on the probe, until ``probe_timeout``: llama-server before b11737 spawns a
             pool thread for the new connection, which serves the *oldest* unread connection first, the stalled one.
-            Kicks repeat at 2, 4, 8... times the learnt deadline. An answer after a kick is not learnt from (it
-            measures the rescue, not the server). A kick sends no request: the server reads nothing from it.
+            Kicks repeat at 2, 4, 8... times the learnt deadline; before anything is learnt (or with
+            ``probe_learning=False``) they go at a quarter and half of ``probe_timeout``. An answer after a kick
+            is not learnt from (it measures the rescue, not the server). A kick sends no request: the server reads
+            nothing from it.
             False: a first probe is given up at the learnt deadline, and the connection replaced.
         connect_admission: when new connections to an origin are opened and probed one at a time, each waiting until
             the previous one's probe was answered or given up. ``"after_stall"`` (default): for 5 s after a probe of

@@ -56,6 +56,11 @@ class Prober(Protocol):
     def __call__(self, stream: Any, run: Any, /) -> Any: ...
 
 
+# Where a probe's first kick goes when nothing was learnt below its deadline: a quarter of it (0.125 s of the default
+# 0.5 s), then half; a healthy but slow first answer costs at most two short connections.
+UNLEARNT_KICK_FRACTION = 0.25
+
+
 class RequestState:
     """State of one guarded request across its attempts, including how far its current attempt got.
 
@@ -257,11 +262,17 @@ class RequestState:
 
     def next_kick(self) -> float | None:
         """Seconds into the probe at which it opens its next kick connection (`GuardPolicy.probe_kick`): the
-        origin's learnt deadline, then 2, 4, 8... times it; None when no kick comes before the probe is given up
-        (kicks off, nothing learnt yet, or the give-up comes first). Read after `next_probe_deadline`."""
+        origin's learnt deadline, then 2, 4, 8... times it; with nothing learnt below the probe's own deadline (too
+        few answers yet, learning off), a quarter of that deadline, then half. None when no kick comes before the
+        probe is given up. Read after `next_probe_deadline`."""
         if not self.policy.probe_kick:
             return None
-        at = self.origin_probes.deadline(self.policy) * (2**self.probe_kicks)
+        first = self.origin_probes.deadline(self.policy)
+        if first >= self.probe_deadline_used:
+            # A burst whose served connections are too few to learn from (the pool's threads held by long requests)
+            # still gets its kicks: they cost one short connection each, a stall costs the probe's whole deadline.
+            first = self.probe_deadline_used * UNLEARNT_KICK_FRACTION
+        at = first * (2**self.probe_kicks)
         return at if at < self.probe_deadline_used else None
 
     def probe_wait(self, elapsed: float, remaining: float) -> tuple[bool, float]:
