@@ -14,7 +14,9 @@ model, ``--threads 1 --metrics``), the kinds interleaved in rounds (ABC, BCA, CA
   burst: without them this machine's build rarely stalls (issue 12). The burst runs on the broken pool (b11434)
   and on the fixed pool (the same build with cpp-httplib's fix, ``get_llama_server.py --fixed-pool``), the
   latter showing what the guard costs a healthy burst. ``--saturate`` adds the same bursts while
-  every inference slot (``--parallel 2``) generates long completions (``_saturate.py``); ``--connect lazy`` lets
+  every inference slot (``--parallel 2``) generates long completions (``_saturate.py``; ``--saturate only``: those
+  alone); ``--pinned`` makes the tests' stall condition (the server pinned to one CPU as SCHED_BATCH, the hogs on
+  that CPU: plain clients then stall in nearly every run, see ``tests/real/_burst.py``); ``--connect lazy`` lets
   httpx open the connections at request time instead of handing it pre-opened ones.
 
 Every completion asks for ``max_tokens`` tokens with ``"ignore_eos": true``, so the server's
@@ -43,9 +45,11 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import random
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -77,6 +81,10 @@ BURST_LIMITS = httpx.Limits(max_connections=1, max_keepalive_connections=1)
 FIRST_RESPONSE_TARGET = 3.0
 ADAPTIVE_FIRST_RESPONSE_TARGET = 0.3  # issue 15: the slowest first response with the adaptive probe
 SATURATE_SLOTS = 2  # --parallel of the saturated scenario; leaves 2 of the 4 base HTTP threads to the burst
+# Tokens per saturating completion: long enough that every slot is generating when the burst arrives, short enough
+# that slots turn over within a run (1,024 left the burst's completions queued behind them for most of a 12 s run,
+# so "stuck" measured the slots, not the pool).
+SATURATE_TOKENS = 256
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "img"
 
 PLAIN = "plain httpx"
@@ -85,16 +93,18 @@ DEFAULT = "guard default (probe)"
 STREAM_CLOSE = "guard stream-close only"
 RETRIES = "guard retries only"
 PROBE_FIXED = "guard probe 0.5 s"
-ADAPTIVE = "guard adaptive probe"
-KICKS = "guard adaptive + kicks"
+ADAPTIVE = "guard adaptive without kicks"
+KICKS = "guard default (adaptive + kicks)"
 
 #: The adaptive probe (a deadline learnt per origin, admission of new connections: issue 15), detected by its
 #: policy option so this benchmark runs before and after it is merged.
 HAS_ADAPTIVE = "probe_learning" in {field.name for field in dataclasses.fields(GuardPolicy)}
-#: Kicks (a stalled connection rescued where it is: GuardPolicy(probe_kick=True)), detected the same way.
+#: Kicks (a stalled connection rescued where it is: GuardPolicy.probe_kick, the default), detected the same way.
 HAS_KICKS = "probe_kick" in {field.name for field in dataclasses.fields(GuardPolicy)}
 # Today's fixed 0.5 s probe; once the adaptive one exists, the same with learning and admission switched off.
 _FIXED_PROBE: dict[str, Any] = {"probe_learning": False, "connect_admission": "off"} if HAS_ADAPTIVE else {}
+if HAS_KICKS:
+    _FIXED_PROBE["probe_kick"] = False
 
 #: Client kinds: None is plain httpx; a policy means GuardTransport(inner, policy=policy).
 POLICIES: dict[str, GuardPolicy | None] = {
@@ -104,8 +114,8 @@ POLICIES: dict[str, GuardPolicy | None] = {
     STREAM_CLOSE: GuardPolicy(probe=False),
     RETRIES: GuardPolicy(probe=False, stream_mode="off"),
     PROBE_FIXED: GuardPolicy(**_FIXED_PROBE),
-    ADAPTIVE: GuardPolicy() if HAS_ADAPTIVE else None,
-    KICKS: GuardPolicy(probe_kick=True) if HAS_KICKS else None,
+    ADAPTIVE: (GuardPolicy(probe_kick=False) if HAS_KICKS else GuardPolicy()) if HAS_ADAPTIVE else None,
+    KICKS: GuardPolicy() if HAS_KICKS else None,
 }
 BURST_KINDS = (
     PLAIN,
@@ -302,22 +312,36 @@ class BurstScenario:
     hogs: int
     saturate: bool
     lazy: bool
+    pinned: bool = False  # the server pinned to one CPU as SCHED_BATCH, the hogs on that CPU: the tests' condition
+    saturate_tokens: int = SATURATE_TOKENS
 
     @property
     def label(self) -> str:
-        extra = (", slots saturated" if self.saturate else "") + (", lazy connects" if self.lazy else "")
+        extra = (
+            (", slots saturated" if self.saturate else "")
+            + (", lazy connects" if self.lazy else "")
+            + (", pinned" if self.pinned else "")
+        )
         return f"burst, {self.pool} pool{extra}"
 
 
+def pinned_cpus() -> frozenset[int]:
+    """The CPU of the tests' stall condition (``tests/real/_burst.py``): the first this process may run on."""
+    return frozenset({min(os.sched_getaffinity(0))})
+
+
 def burst_block(model: Path, scenario: BurstScenario, kind: str, round_index: int, seconds: float) -> Block:
-    parallel = {"parallel": SATURATE_SLOTS} if scenario.saturate else {}
-    with fresh_server(model, scenario.binary, threads_http=4, **parallel) as server:
+    options: dict[str, Any] = {"parallel": SATURATE_SLOTS} if scenario.saturate else {}
+    cpus = pinned_cpus() if scenario.pinned else None
+    if cpus is not None:
+        options.update(cpus=cpus, batch_scheduling=True)
+    with fresh_server(model, scenario.binary, threads_http=4, **options) as server:
         saturator = None
         if scenario.saturate:
-            saturator = Saturator(server.url, SATURATE_SLOTS).start(
+            saturator = Saturator(server.url, SATURATE_SLOTS, max_tokens=scenario.saturate_tokens).start(
                 lambda: server.metrics().get("requests_processing", 0.0)
             )
-        with CpuHogs(scenario.hogs):
+        with CpuHogs(scenario.hogs, cpus=cpus):
             block, counters = _burst(server, kind, round_index, seconds, lazy=scenario.lazy)
         other_tokens = saturator.stop() if saturator is not None else 0
         block.server_completions = server_completions(server, other_tokens=other_tokens)
@@ -482,7 +506,9 @@ def per_run_lines(blocks: Sequence[Block]) -> list[str]:
     return lines
 
 
-def plot_burst(blocks: Sequence[Block], seconds: float, path: Path, server: str = LLAMA_SERVER_BUILD) -> str:
+def plot_burst(
+    blocks: Sequence[Block], seconds: float, path: Path, server: str = LLAMA_SERVER_BUILD, condition: str = ""
+) -> str:
     """A strip plot of every burst connection's first-response latency, per client kind, log y axis."""
     try:
         import matplotlib
@@ -522,9 +548,17 @@ def plot_burst(blocks: Sequence[Block], seconds: float, path: Path, server: str 
     ax.set_yscale("log")
     ax.axhline(FIRST_RESPONSE_TARGET, color="grey", linestyle="--", linewidth=0.8)
     ax.text(len(kinds) - 0.5, FIRST_RESPONSE_TARGET * 1.08, f"{FIRST_RESPONSE_TARGET:g} s", ha="right", fontsize=8)
+    ax.axhline(ADAPTIVE_FIRST_RESPONSE_TARGET, color="tab:green", linestyle="--", linewidth=0.7, alpha=0.6)
+    ax.text(
+        len(kinds) - 0.5,
+        ADAPTIVE_FIRST_RESPONSE_TARGET * 1.08,
+        f"{ADAPTIVE_FIRST_RESPONSE_TARGET:g} s (issue 15's target)",
+        ha="right",
+        fontsize=8,
+    )
     ax.axhline(seconds, color="grey", linestyle=":", linewidth=0.8)
     ax.text(len(kinds) - 0.5, seconds * 1.08, f"end of run ({seconds:g} s)", ha="right", fontsize=8)
-    ax.set_xticks(range(len(kinds)), kinds)
+    ax.set_xticks(range(len(kinds)), [textwrap.fill(kind, 18) for kind in kinds], fontsize=8)
     ax.set_xlim(-0.6, len(kinds) - 0.4)
     low = min([f for b in blocks for f in b.first_responses if f is not None] or [0.01])
     ax.set_ylim(max(low / 2, 1e-3), stuck_y * 2.2)
@@ -532,7 +566,7 @@ def plot_burst(blocks: Sequence[Block], seconds: float, path: Path, server: str 
     ax.set_title(
         f"Burst: {BURST_CLIENTS} keep-alive connections opened at once, one per client\n"
         f"llama-server {server} --threads-http 4, fresh server per run; "
-        f"{len(runs)} runs per kind (colour = run); x = never answered",
+        f"{len(runs)} runs per kind (colour = run); x = never answered" + (f"\n{condition}" if condition else ""),
         fontsize=9,
     )
     ax.grid(axis="y", which="both", alpha=0.25)
@@ -638,6 +672,8 @@ def burst_targets(blocks: Sequence[Block], scenario: str) -> list[str]:
 
 def block_line(block: Block) -> str:
     given_up = f", {block.guard['probes_given_up']} probes given up" if block.guard.get("probes_given_up") else ""
+    if block.guard.get("probe_kicks"):
+        given_up += f", {block.guard['probe_kicks']} kicks, {block.guard['probes_rescued']} probes rescued"
     return (
         f"{len(block.outcomes)} requests, {block.errors} errors, {block.stuck} stuck, {block.rate:.1f} ok req/s, "
         f"server ran {block.server_completions:.1f}{given_up}"
@@ -682,8 +718,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--saturate",
+        nargs="?",
+        const="also",
+        choices=("also", "only"),
+        help=f"also (or only) burst while all {SATURATE_SLOTS} inference slots (--parallel {SATURATE_SLOTS}) generate",
+    )
+    parser.add_argument(
+        "--kinds",
+        help="burst client kinds to run, comma-separated (default all: " + ", ".join(BURST_KINDS) + ")",
+    )
+    parser.add_argument(
+        "--saturate-tokens",
+        type=int,
+        default=SATURATE_TOKENS,
+        help=f"tokens per saturating completion (default {SATURATE_TOKENS})",
+    )
+    parser.add_argument(
+        "--pinned",
         action="store_true",
-        help=f"also burst while all {SATURATE_SLOTS} inference slots (--parallel {SATURATE_SLOTS}) generate",
+        help="the tests' stall condition: the server pinned to one CPU as SCHED_BATCH, the hogs on that CPU "
+        "(use with --hogs 1; Linux only)",
     )
     parser.add_argument(
         "--connect",
@@ -696,6 +750,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs >= 1, --requests >= --proxy-rounds >= 1, --seconds > 0")
     if not 0 <= args.hogs <= 16:
         parser.error(f"--hogs must be from 0 to 16; got {args.hogs}")
+    burst_kinds = BURST_KINDS
+    if args.kinds:
+        burst_kinds = tuple(kind.strip() for kind in args.kinds.split(","))
+        unknown = [kind for kind in burst_kinds if kind not in BURST_KINDS]
+        if unknown:
+            parser.error(f"--kinds: unknown {unknown}; known: {', '.join(BURST_KINDS)}")
+    if args.pinned and not hasattr(os, "sched_setaffinity"):
+        parser.error("--pinned needs Linux (os.sched_setaffinity)")
 
     binary = find_llama_server()
     if binary is None:
@@ -729,8 +791,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fixed pool: llama-server {LLAMA_SERVER_FIXED_BUILD_INFO} ({fixed_binary})")
             pools.append(("fixed", fixed_binary))
     scenarios = [
-        BurstScenario(pool, path, args.hogs, saturate, args.connect == "lazy")
-        for saturate in ((False, True) if args.saturate else (False,))
+        BurstScenario(pool, path, args.hogs, saturate, args.connect == "lazy", args.pinned, args.saturate_tokens)
+        for saturate in {None: (False,), "also": (False, True), "only": (True,)}[args.saturate]
         for pool, path in pools
     ]
     if not HAS_ADAPTIVE:
@@ -753,7 +815,7 @@ def main(argv: list[str] | None = None) -> int:
             # Scenarios alternate within each round too, so the machine's load drifts over all of them alike.
             for r in range(args.runs):
                 for scenario in rotated(scenarios, r):
-                    for kind in rotated(BURST_KINDS, r):
+                    for kind in rotated(burst_kinds, r):
                         block = burst_block(model, scenario, kind, r, args.seconds)
                         log(f"{scenario.label} run {r + 1}/{args.runs} {kind}: {block_line(block)}")
                         burst.append(block)
@@ -777,13 +839,18 @@ def main(argv: list[str] | None = None) -> int:
         opened = "opened by httpx at request time" if scenario.lazy else "opened at once"
         print(
             f"{scenario.label}: {BURST_CLIENTS} connections {opened}, one per client, {args.seconds:g} s of "
-            f"back-to-back non-streamed requests per client, {scenario.hogs} CPU hogs beside the server; fresh "
-            f"server (--threads-http 4 --threads 1"
-            + (f" --parallel {SATURATE_SLOTS}, every slot generating" if scenario.saturate else "")
+            f"back-to-back non-streamed requests per client, {scenario.hogs} CPU hogs beside the server"
+            + (f" (pinned to CPU {min(pinned_cpus())}, the server SCHED_BATCH)" if scenario.pinned else "")
+            + "; fresh server (--threads-http 4 --threads 1"
+            + (
+                f" --parallel {SATURATE_SLOTS}, every slot generating {scenario.saturate_tokens}-token completions"
+                if scenario.saturate
+                else ""
+            )
             + f") per kind and run, {args.runs} interleaved runs; 'stuck' = the client's first response never "
             "came within the run; ok req/s and 'vs plain' are medians over runs:"
         )
-        print(summarise(mine, list(BURST_KINDS), burst=True))
+        print(summarise(mine, list(burst_kinds), burst=True))
         print()
         print("Runs:")
         print("\n".join(per_run_lines(mine)))
@@ -793,11 +860,21 @@ def main(argv: list[str] | None = None) -> int:
                 ("_fixed", scenario.pool == "fixed"),
                 ("_saturated", scenario.saturate),
                 ("_lazy", scenario.lazy),
+                ("_pinned", scenario.pinned),
             )
             if on
         )
         build = LLAMA_SERVER_FIXED_BUILD_INFO if scenario.pool == "fixed" else LLAMA_SERVER_BUILD
-        print(plot_burst(mine, args.seconds, args.out / f"{name}.png", build))
+        condition = ", ".join(
+            text
+            for text, on in (
+                ("every inference slot generating", scenario.saturate),
+                (f"server pinned to a CPU beside {scenario.hogs} busy process (tests' condition)", scenario.pinned),
+                (f"{scenario.hogs} CPU-bound processes beside the server", not scenario.pinned and scenario.hogs > 0),
+            )
+            if on
+        )
+        print(plot_burst(mine, args.seconds, args.out / f"{name}.png", build, condition))
         print()
     errors = error_breakdown([*proxy, *burst])
     if errors:

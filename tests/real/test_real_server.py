@@ -127,19 +127,18 @@ def test_a_server_does_not_outlive_a_killed_test_process(llama_server_bin, tiny_
     """A test process killed without cleanup (SIGKILL: no fixture, no finally runs) leaves no llama-server behind:
     the watchdog started beside the server kills it."""
     args = [str(tiny_model), str(llama_server_bin), str(tmp_path / "server.log")]
-    starter = subprocess.Popen([sys.executable, "-c", STARTER, *args], stdout=subprocess.PIPE)
     pid = None
-    try:
-        assert starter.stdout is not None
-        ready, _, _ = select.select([starter.stdout], [], [], 120)
-        assert ready, "the starter printed no server pid within 120 s"
-        pid = int(starter.stdout.readline())
-        assert running(pid)
-        starter.kill()
-        starter.wait()
-        assert wait_for(lambda: not running(pid), timeout=10), "llama-server outlived the process that started it"
-    finally:
-        starter.kill()
-        starter.wait()
-        if pid is not None and running(pid):  # the test failed: do not leave it behind either
-            os.kill(pid, signal.SIGKILL)
+    with subprocess.Popen([sys.executable, "-c", STARTER, *args], stdout=subprocess.PIPE) as starter:
+        try:
+            assert starter.stdout is not None
+            ready, _, _ = select.select([starter.stdout], [], [], 120)
+            assert ready, "the starter printed no server pid within 120 s"
+            pid = int(starter.stdout.readline())
+            assert running(pid)
+            starter.kill()
+            starter.wait()
+            assert wait_for(lambda: not running(pid), timeout=10), "llama-server outlived the process that started it"
+        finally:
+            starter.kill()
+            if pid is not None and running(pid):  # the test failed: do not leave it behind either
+                os.kill(pid, signal.SIGKILL)
