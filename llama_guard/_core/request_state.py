@@ -287,8 +287,8 @@ class RequestState:
 
     def probe_kicked(self, failure: BaseException | None = None) -> None:
         """A kick connection was opened for this probe and closed, or (``failure``) could not be opened: counted
-        either way (the next kick waits twice as long), and a failing kick is said once per process, since the
-        stalled connections it was for are then given up and replaced."""
+        either way (the next kick waits twice as long), and failing kicks to an origin are said once per process,
+        since the stalled connections they were for are then given up and replaced."""
         self.probe_kicks += 1
         self.origin_probes.kicked()
         if failure is None:
