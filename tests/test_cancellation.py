@@ -37,10 +37,9 @@ from llama_guard import GuardPolicy
 from llama_guard.testing import Fault, LlamaServerEmulator, generated_text
 
 from ._drivers import (
+    ClientSockets,
     Driver,
-    client_sockets,
     close_driver,
-    describe_client_sockets,
     make_driver,
     on_every_client,
     open_connections,
@@ -185,6 +184,7 @@ def arm(point: str, server: LlamaServerEmulator) -> None:
 
 async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmulator) -> float:
     backend = _backend()
+    client_sockets = ClientSockets(server.port)
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1) if point == "waiting-for-pool" else None
     driver = make_driver(
         backend,
@@ -223,11 +223,11 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
         assert pool_problems(driver) == []
         assert open_connections(driver) == [], "the pool kept a connection"
         try:
-            await wait_until(lambda: client_sockets(server.port) == 0, timeout=EVENT_WAIT, what="")
+            await wait_until(lambda: client_sockets.count() == 0, timeout=EVENT_WAIT, what="")
         except AssertionError:
             raise AssertionError(
                 f"the cancelled request's socket not closed within {EVENT_WAIT:g} s: "
-                f"{describe_client_sockets(server.port)}; guard {driver.stats!r}"
+                f"{client_sockets.describe()}; guard {driver.stats!r}"
             ) from None
 
         await check_server(point, server)
@@ -238,7 +238,7 @@ async def cancel_scenario(point: str, library_name: str, server: LlamaServerEmul
         assert pool_problems(driver) == []
     finally:
         await close_driver(driver)
-    await wait_until(lambda: client_sockets(server.port) == 0, timeout=EVENT_WAIT, what="every client socket closed")
+    await wait_until(lambda: client_sockets.count() == 0, timeout=EVENT_WAIT, what="every client socket closed")
     return latency
 
 

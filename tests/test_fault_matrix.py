@@ -39,11 +39,10 @@ from llama_guard import GuardPolicy
 from llama_guard.testing import EmulatorStats, Fault, LlamaServerEmulator, generated_text
 
 from ._drivers import (
+    ClientSockets,
     Driver,
     Outcome,
-    client_sockets,
     close_driver,
-    describe_client_sockets,
     guard_module,
     library,
     make_driver,
@@ -403,6 +402,7 @@ class Env:
         self.kwargs: dict[str, Any] = {"pool_bug": False, **case.server}
         self.server = LlamaServerEmulator(**self.kwargs).start()
         self.port = self.server.port
+        self.client_sockets = ClientSockets(self.port)  # before any client; a restart keeps the port
         self.url = self.server.url
         self.blocker: socket.socket | None = None
         self._helpers: list[threading.Thread] = []
@@ -567,11 +567,11 @@ async def fault_scenario(case: Case, flavor: str, library_name: str, env: Env) -
         await close_driver(driver)
     try:
         await wait_until(
-            lambda: client_sockets(env.port) == 0, timeout=SETTLE, what=f"{case.id}: every client socket closed"
+            lambda: env.client_sockets.count() == 0, timeout=SETTLE, what=f"{case.id}: every client socket closed"
         )
     except AssertionError as exc:
         raise AssertionError(
-            f"{exc}: {describe_client_sockets(env.port)}; server {env.server.stats()}; "
+            f"{exc}: {env.client_sockets.describe()}; server {env.server.stats()}; "
             f"guard {driver.stats if driver.guarded else None!r}"
         ) from None
 

@@ -25,7 +25,7 @@ from llama_guard._core.request_state import RequestState
 from llama_guard._core.stats import GuardStats
 from llama_guard.testing import Fault, LlamaServerEmulator
 
-from ._drivers import FLAVORS, client_sockets, close_driver, make_driver, run_scenario, wait_until
+from ._drivers import FLAVORS, ClientSockets, close_driver, make_driver, run_scenario, wait_until
 from .test_mechanisms import CHAT, chat
 
 # Every stack the guard probes on: the httpx flavours and aiohttp.
@@ -191,6 +191,7 @@ async def given_up_once(
 ) -> dict[str, int]:
     """One request whose only attempt's probe is given up; then the client sockets to the server must all close:
     with the client open, at the end of the watch; or, with ``close``, when the client closes."""
+    client_sockets = ClientSockets(server.port)
     driver = make_driver(flavor, guarded=True, base_url=server.url, policy=policy, library=library)
     try:
         outcome = await driver.request("POST", CHAT, json=chat(stream=False))
@@ -199,10 +200,10 @@ async def given_up_once(
         if close:
             # The adapter's own socket goes at once (aiohttp's on the next turn of the loop); the watched
             # duplicate stays for the 60 s watch.
-            await wait_until(lambda: client_sockets(server.port) == 1, timeout=10, what="one connection watched")
+            await wait_until(lambda: client_sockets.count() == 1, timeout=10, what="one connection watched")
         else:
             await wait_until(
-                lambda: client_sockets(server.port) == 0,
+                lambda: client_sockets.count() == 0,
                 timeout=20,
                 what=f"the given-up connection closed at the end of its watch, the client still open ({library})",
             )
@@ -210,7 +211,7 @@ async def given_up_once(
         await close_driver(driver)
     if close:
         await wait_until(
-            lambda: client_sockets(server.port) == 0,
+            lambda: client_sockets.count() == 0,
             timeout=10,  # the watch runs 60 s: only the client's close can close it this soon
             what=f"the watched connection closed with its client ({library})",
         )
