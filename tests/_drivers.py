@@ -15,7 +15,9 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import logging
 import os
+import re
 import socket
 import ssl
 import threading
@@ -371,6 +373,18 @@ class ClientSockets:
         """Descriptor, local port and TCP state of each, for a failure message (and how many earlier ones)."""
         ends = ", ".join(f"fd {fd} from port {local} {state}" for fd, local, state, _ in self._ends()) or "none"
         return f"{ends} ({len(self.earlier)} connected before the test's server started, not counted)"
+
+
+def episode_log(caplog: pytest.LogCaptureFixture, port: int, pattern: str) -> tuple[re.Match[str], list[str]]:
+    """The stall log's one WARNING line for ``http://127.0.0.1:{port}``, matched in full against ``pattern`` (whose
+    ``{origin}`` stands for the escaped origin), and the DEBUG lines about that origin (one per connection)."""
+    origin = f"http://127.0.0.1:{port}"
+    ours = [r for r in caplog.records if r.name == "llama_guard" and origin in r.getMessage()]
+    warnings = [r.getMessage() for r in ours if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    said = re.fullmatch(pattern.replace("{origin}", re.escape(origin)), warnings[0])
+    assert said is not None, warnings[0]
+    return said, [r.getMessage() for r in ours if r.levelno == logging.DEBUG]
 
 
 def open_fds() -> int:

@@ -30,7 +30,7 @@ from llama_guard._httpx.attempts import RequestRun
 from llama_guard._httpx.sync_transport import _kick as sync_kick
 from llama_guard.testing import LlamaServerEmulator, open_burst
 
-from ._drivers import FLAVORS, each_asks_then_close, make_driver, run_scenario
+from ._drivers import FLAVORS, each_asks_then_close, episode_log, make_driver, run_scenario
 from .test_mechanisms import CHAT, chat, poll
 
 HTTP_THREADS = 4
@@ -130,20 +130,16 @@ def test_one_warning_per_episode_of_rescues(
     drivers = run_scenario(flavor, functools.partial(burst, policy=KICKING), flavor, library, server.url, server.port)
     STALL_LOG.flush()  # the episode ends when its transports close (httpx) or 2 s after it began (aiohttp): now
     counts = totals(drivers)
-    origin = f"http://127.0.0.1:{server.port}"
-    ours = [r.getMessage() for r in caplog.records if r.name == "llama_guard" and origin in r.getMessage()]
-    warnings = [m for m in ours if "stalled connection" in m]
-    assert len(warnings) == 1, warnings
-    said = re.fullmatch(
-        rf"rescued (\d+) stalled connections? to {re.escape(origin)} in the last [0-9.]+ s \(llama-server before "
-        r"b11737 had not read them; a kick connection made it read the rescued ones; no request was lost; each one "
-        r"at DEBUG level on the 'llama_guard' logger\)",
-        warnings[0],
+    said, details = episode_log(
+        caplog,
+        server.port,
+        r"rescued (\d+) stalled connections? to {origin} in the last [0-9.]+ s \(llama-server before b11737 had not "
+        r"read them; a kick connection made it read the rescued ones; no request was lost; each one at DEBUG level "
+        r"on the 'llama_guard' logger\)",
     )
-    assert said is not None, warnings[0]
     assert int(said.group(1)) == counts["probes_rescued"] >= 1, counts
-    details = [m for m in ours if re.search(r"answered its probe after [0-9.]+ s and \d+ kicks?$", m)]
-    assert len(details) == counts["probes_rescued"], details
+    rescues = [m for m in details if re.search(r"answered its probe after [0-9.]+ s and \d+ kicks?$", m)]
+    assert len(rescues) == counts["probes_rescued"], rescues
 
 
 def unused_port() -> int:
