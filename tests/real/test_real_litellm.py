@@ -74,7 +74,12 @@ def test_litellm_async_through_install_on_real_llama_server(real_server, route: 
             for index in indexes:
                 await one(index % 2 == 1)
 
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        try:
+            await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+        finally:
+            # litellm caches its clients for the process; their idle connections would outlive the server and the
+            # test, and a later test whose emulator gets the same port number would count them as its own.
+            await litellm.close_litellm_async_clients()
 
     asyncio.run(scenario())
     assert errors == [], f"{len(errors)} of {REQUESTS} lost, e.g. {errors[:3]!r}"

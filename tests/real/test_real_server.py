@@ -90,8 +90,12 @@ def test_metrics_and_log_count_each_completion_once(real_server):
         for _ in range(3):
             resp = client.post(CHAT, json=chat_body(stream=False, max_tokens=MAX_TOKENS))
             assert resp.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        # Not kept after a stream: the server closes a streamed response's connection (the defect the guard fixes),
+        # and this plain client would lose the next request on it when it reuses it before the close arrives.
         for _ in range(2):
-            with client.stream("POST", CHAT, json=chat_body(stream=True, max_tokens=MAX_TOKENS)) as resp:
+            with client.stream(
+                "POST", CHAT, json=chat_body(stream=True, max_tokens=MAX_TOKENS), headers={"Connection": "close"}
+            ) as resp:
                 resp.read()
         client.get("/health")
     metrics = server.metrics()
