@@ -4,6 +4,7 @@ doctor and watch are driven end to end in tests/test_doctor.py and tests/test_wa
 
 from __future__ import annotations
 
+import argparse
 import io
 import itertools
 import re
@@ -11,13 +12,15 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 
+import llama_guard
 from llama_guard._cli.demo import demo_rows, format_table
 from llama_guard._cli.load import LoadRow, proxy_load, run_threads
-from llama_guard._cli.main import COMMANDS, main
+from llama_guard._cli.main import COMMANDS, build_parser, main
 from llama_guard.testing import LlamaServerEmulator
 
 
@@ -46,6 +49,43 @@ def test_python_m_llama_guard_help() -> None:
     result = subprocess.run([sys.executable, "-m", "llama_guard", "demo", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     assert "built-in" in result.stdout
+
+
+def _actions(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, argparse.Action]]:
+    """Every action of ``parser`` and of its subcommands' parsers, with the command it belongs to."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, subparser in action.choices.items():
+                yield from _actions(subparser, f"{name} {command}")
+        else:
+            yield name, action
+
+
+def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    from llama_guard.testing.__main__ import PROG
+    from llama_guard.testing.__main__ import _parser as emulator_parser
+
+    return [("llama-guard", build_parser()), (PROG, emulator_parser())]
+
+
+def test_every_flag_of_every_command_has_help() -> None:
+    """Walks every argparse action of llama-guard's commands and of the emulator's command: each has a help text
+    (argparse.SUPPRESS, a flag hidden on purpose, counts as one)."""
+    missing = [
+        f"{command}: {'/'.join(action.option_strings) or action.dest}"
+        for name, parser in _parsers()
+        for command, action in _actions(parser, name)
+        if not (action.help or "").strip()
+    ]
+    walked = sum(1 for name, parser in _parsers() for _ in _actions(parser, name))
+    assert walked > 40  # the walk reached the subcommands' flags
+    assert not missing, missing
+
+
+def test_version() -> None:
+    result = subprocess.run([sys.executable, "-m", "llama_guard", "--version"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"llama-guard {llama_guard.__version__}"
 
 
 def test_help_lists_every_command() -> None:

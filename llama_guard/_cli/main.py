@@ -236,11 +236,18 @@ COMMANDS: dict[str, tuple[Adder, Runner]] = {
 }
 
 
+def _version() -> str:
+    from .. import __version__
+
+    return f"llama-guard {__version__}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-guard",
         description="Make pooled httpx clients safe against llama.cpp's llama-server.",
     )
+    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add, _ in COMMANDS.values():
         add(commands)

@@ -59,13 +59,28 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help=f"both defects every time: --stream-close {FAULTY_STREAM_CLOSE} --stall-burst {FAULTY_STALL_BURST}",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=_int, default=8080, help="0: any free port (8080)")
-    parser.add_argument("--http-threads", type=_int, default=4)
-    parser.add_argument("--max-http-threads", type=_int, default=64)
-    parser.add_argument("--fixed-pool", action="store_true", help="model builds >= b11737")
-    parser.add_argument("--wakeup-latency", type=_seconds, default=0.005)
-    parser.add_argument("--keep-streams-open", action="store_true", help="do not close after streams")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (127.0.0.1)")
+    parser.add_argument("--port", type=_int, default=8080, help="the port to listen on; 0: any free port (8080)")
+    parser.add_argument(
+        "--http-threads", type=_int, default=4, help="base HTTP threads of the pool, llama-server's --threads-http (4)"
+    )
+    parser.add_argument("--max-http-threads", type=_int, default=64, help="most HTTP threads the pool may run (64)")
+    parser.add_argument(
+        "--fixed-pool",
+        action="store_true",
+        help=f"the fixed thread pool of builds b{FIRST_FIXED_BUILD} and later (no pool defect)",
+    )
+    parser.add_argument(
+        "--wakeup-latency",
+        type=_seconds,
+        default=0.005,
+        help="seconds a woken pool thread takes to run: the window of the pool defect's race (0.005)",
+    )
+    parser.add_argument(
+        "--keep-streams-open",
+        action="store_true",
+        help="keep a stream's connection open after its final chunk (no stream defect)",
+    )
     parser.add_argument(
         "--stream-close",
         choices=STREAM_CLOSE_MODES,
@@ -86,10 +101,16 @@ def _parser() -> argparse.ArgumentParser:
         help="the pool stall made deterministic: of each burst's first K connections, those after the first "
         "--http-threads wait unread until a served connection closes; later ones are served at once",
     )
-    parser.add_argument("--parallel", type=_int, default=4)
-    parser.add_argument("--token-interval", type=_seconds, default=0.0)
-    parser.add_argument("--n-tokens", type=_int, default=8)
-    parser.add_argument("--keepalive-timeout", type=_seconds, default=5.0)
+    parser.add_argument("--parallel", type=_int, default=4, help="inference slots, llama-server's --parallel (4)")
+    parser.add_argument(
+        "--token-interval", type=_seconds, default=0.0, help="seconds per generated token (0: as fast as possible)"
+    )
+    parser.add_argument(
+        "--n-tokens", type=_int, default=8, help="tokens per completion when the request sets no max_tokens (8)"
+    )
+    parser.add_argument(
+        "--keepalive-timeout", type=_seconds, default=5.0, help="seconds an idle kept-alive connection stays open (5)"
+    )
     parser.add_argument("--loading", action="store_true", help="start in the loading state")
     return parser
 
