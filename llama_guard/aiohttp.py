@@ -13,6 +13,13 @@ httpx transports; errors subclass aiohttp's (`ProbeTimeout`, `ProbeError`, `Firs
 ``Guarded<X>`` for an aiohttp error X the guard gave up on), all of them `llama_guard.GuardError`.
 """
 
+from ._core.extras import missing_extra
+
+try:
+    import aiohttp as _aiohttp  # noqa: F401
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
+    missing_extra(exc, feature="llama_guard.aiohttp", extra="aiohttp", modules=("aiohttp",))
+
 from ._aiohttp.connector import KEEPALIVE_TIMEOUT, GuardConnector
 from ._aiohttp.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._aiohttp.internals import TESTED_VERSIONS

@@ -65,10 +65,13 @@ class InstalledSessions:
 
     def release(self) -> None:
         """Take the guard off every session this installation guarded."""
-        from .._aiohttp.session import unguard_session
-
         with self._lock:
-            for session in list(self._guarded):
-                unguard_session(session)
+            guarded = list(self._guarded)
+            if guarded:
+                # Only a guarded session means aiohttp is installed: the default install has no aiohttp to import.
+                from .._aiohttp.session import unguard_session
+
+                for session in guarded:
+                    unguard_session(session)
             self._guarded = weakref.WeakSet()
             self._seen = weakref.WeakSet()

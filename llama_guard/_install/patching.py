@@ -281,7 +281,7 @@ def _patch_module(module: Any) -> None:
 
 def _patch_aiohttp_if_imported() -> None:
     global _aiohttp_handle
-    if _current is None or _AIOHTTP not in sys.modules or _aiohttp_handle is not None:
+    if _current is None or sys.modules.get(_AIOHTTP) is None or _aiohttp_handle is not None:  # None: import blocked
         return
     target = session_request_method()
     if target is not None:

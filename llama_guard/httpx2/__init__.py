@@ -10,10 +10,13 @@ results and stats as the httpx flavour: its transports are generated from the sa
 ``scripts/unasync.py``. Errors are instances of the httpx2 class they stand for and of `llama_guard.GuardError`.
 """
 
+from .._core.extras import missing_extra
+
 try:
+    import httpcore2 as _httpcore2  # noqa: F401
     import httpx2 as _httpx2  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the environment
-    raise ImportError("llama_guard.httpx2 needs httpx2: pip install 'llama-guard[httpx2]'") from exc
+except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
+    missing_extra(exc, feature="llama_guard.httpx2", extra="httpx2", modules=("httpx2", "httpcore2"))
 
 from .._core.errors import GuardError
 from .._core.policy import GuardPolicy
