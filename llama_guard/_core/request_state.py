@@ -61,6 +61,20 @@ class Prober(Protocol):
 UNLEARNT_KICK_FRACTION = 0.25
 
 
+def retry_reason(verdict: Verdict | None) -> str:
+    """Why a request is retried, for ``stats.retries_by_reason`` and the metrics: ``"stalled_connection"`` (a new
+    connection failed its probe, or the first-byte deadline passed: llama-server's unread connections),
+    ``"dead_connection"`` (a pooled connection the server had closed: its streams' keep-alive lie), ``"status"``
+    (503 or 429), or ``"connection_error"`` (any other failure before the response)."""
+    if verdict is None:
+        return "connection_error"
+    if verdict.status:
+        return "status"
+    if verdict.stall:
+        return "stalled_connection"
+    return "connection_error" if verdict.backoff else "dead_connection"
+
+
 class RequestState:
     """State of one guarded request across its attempts, including how far its current attempt got.
 
@@ -458,7 +472,7 @@ class RequestState:
 
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         stall = self.verdict is not None and self.verdict.stall
-        self.stats.add(retries=1, stall_reconnects=int(stall))
+        self.stats.record_retry(retry_reason(self.verdict), stall=stall)
         message = "retrying %s (attempt %d of %d) in %.2f s after %s" % (  # noqa: UP031 (the logging style)
             self.description,
             self.attempts + 1,

@@ -11,7 +11,10 @@ import math
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .origins import Origin
 
 __all__ = ["GuardStats", "LatencyHistogram", "LatencySummary", "StatsSnapshot"]
 
@@ -89,6 +92,26 @@ class LatencyHistogram:
                 return min(upper, self._max)
         return self._max
 
+    def merge(self, other: LatencyHistogram) -> None:
+        """Add ``other``'s samples to this histogram."""
+        buckets = self._buckets
+        for index, count in enumerate(other._buckets):
+            if count:
+                buckets[index] += count
+        self._total += other._total
+        if other._max > self._max:
+            self._max = other._max
+
+    def buckets(self) -> list[tuple[float, int]]:
+        """The non-empty buckets, in order: (upper bound in seconds, samples); a sample is at most its bound and
+        above the bound of the bucket before (2% below)."""
+        return [(_MIN_SECONDS * _GROWTH**index, count) for index, count in enumerate(self._buckets) if count]
+
+    @property
+    def total(self) -> float:
+        """The exact sum of the samples, in seconds."""
+        return self._total
+
     def summary(self) -> LatencySummary:
         count = self._count
         return LatencySummary(
@@ -125,7 +148,12 @@ class StatsSnapshot:
     probes_rescued: int = 0
     # New connections that waited for their turn to be opened (connect_admission), and how long they waited.
     admission_waits: int = 0
+    # Of stream_connections_closed, those shut down after the final chunk (the rest went out with Connection: close).
+    stream_connections_dropped: int = 0
     errors: dict[str, int] = field(default_factory=dict)
+    # Retries by why the attempt before failed: "stalled_connection" (a probe failed, or the first-byte deadline),
+    # "dead_connection" (a pooled connection the server had closed), "status" (503/429), "connection_error".
+    retries_by_reason: dict[str, int] = field(default_factory=dict)
     first_byte: LatencySummary | None = None
     probe_latency: LatencySummary | None = None
     admission_wait: LatencySummary | None = None
@@ -158,9 +186,11 @@ class StatsSnapshot:
                 "probe_kicks_failed",
                 "probes_rescued",
                 "admission_waits",
+                "stream_connections_dropped",
             )
         }
         data["errors"] = dict(self.errors)
+        data["retries_by_reason"] = dict(self.retries_by_reason)
         # `is not None`: an empty summary is false, and still a summary (count 0).
         data["first_byte"] = self.first_byte.as_dict() if self.first_byte is not None else None
         data["probe_latency"] = self.probe_latency.as_dict() if self.probe_latency is not None else None
@@ -185,7 +215,12 @@ class GuardStats:
         self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
         self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
         self.late_answers_unseen: str | None = None  # set when a given-up connection cannot be watched; ditto
+        # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
+        self._by_origin: dict[tuple[str, Origin], GuardStats] = {}
         self.reset()
+        from .origin_stats import EVERY_STATS  # imports this module
+
+        EVERY_STATS.add(self)
 
     def reset(self) -> None:
         """Zero every counter and distribution."""
@@ -205,9 +240,13 @@ class GuardStats:
             self.probes_rescued = 0
             self.admission_waits = 0
             self.admission_wait = LatencyHistogram()
+            self.stream_connections_dropped = 0
             self.errors: Counter[str] = Counter()
+            self.retries_by_reason: Counter[str] = Counter()
             self.first_byte = LatencyHistogram()
             self.probe_latency = LatencyHistogram()
+        for account in list(self._by_origin.values()):
+            account.reset()
 
     def add(self, **increments: int) -> None:
         """Add to counters by name, atomically: ``stats.add(attempts=1, retries=1)``."""
@@ -218,6 +257,31 @@ class GuardStats:
     def add_error(self, kind: str) -> None:
         with self._lock:
             self.errors[kind] += 1
+
+    def record_retry(self, reason: str, *, stall: bool) -> None:
+        """A retry is about to go out because of ``reason`` (see `StatsSnapshot.retries_by_reason`)."""
+        with self._lock:
+            self.retries += 1
+            self.stall_reconnects += stall
+            self.retries_by_reason[reason] += 1
+
+    def of_origin(self, stack: str, origin: Origin) -> GuardStats:
+        """The counts of ``origin`` reached through ``stack`` (``"httpx"``, ``"httpx2"``, ``"aiohttp"``): a
+        `GuardStats` whose every count goes to this one too. Made on first use; the same object afterwards."""
+        key = (stack, origin)
+        account = self._by_origin.get(key)
+        if account is None:
+            from .origin_stats import OriginStats
+
+            made = OriginStats(self, stack, origin)  # outside the lock, which it shares
+            with self._lock:
+                account = self._by_origin.setdefault(key, made)
+        return account
+
+    def by_origin(self) -> dict[tuple[str, Origin], GuardStats]:
+        """Every (stack, origin) counted so far, and its counts (`of_origin`)."""
+        with self._lock:
+            return dict(self._by_origin)
 
     def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
         """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
@@ -268,7 +332,9 @@ class GuardStats:
                 probe_kicks_failed=self.probe_kicks_failed,
                 probes_rescued=self.probes_rescued,
                 admission_waits=self.admission_waits,
+                stream_connections_dropped=self.stream_connections_dropped,
                 errors=dict(self.errors),
+                retries_by_reason=dict(self.retries_by_reason),
                 first_byte=self.first_byte.summary(),
                 probe_latency=self.probe_latency.summary(),
                 admission_wait=self.admission_wait.summary(),
