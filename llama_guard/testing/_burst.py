@@ -107,6 +107,21 @@ class _SyncSocketStream(httpcore.NetworkStream):
     def close(self) -> None:
         self._sock.close()
 
+    def start_tls(
+        self, ssl_context: ssl.SSLContext, server_hostname: str | None = None, timeout: float | None = None
+    ) -> httpcore.NetworkStream:
+        """TLS on the pre-opened connection (an ``https://`` origin): the handshake runs at the first request."""
+        self._sock.settimeout(timeout)
+        try:
+            tls = ssl_context.wrap_socket(self._sock, server_hostname=server_hostname)
+        except TimeoutError as exc:
+            self._sock.close()
+            raise httpcore.ConnectTimeout(str(exc)) from exc
+        except OSError as exc:  # ssl.SSLError included
+            self._sock.close()
+            raise httpcore.ConnectError(str(exc)) from exc
+        return _SyncSocketStream(tls)
+
     def get_extra_info(self, info: str) -> Any:
         return _extra_info(self._sock, info)
 
@@ -157,6 +172,8 @@ class _AsyncSocketStream(httpcore.AsyncNetworkStream):
 def _extra_info(sock: socket.socket, info: str) -> Any:
     if info == "socket":
         return sock
+    if info == "ssl_object":
+        return sock if isinstance(sock, ssl.SSLSocket) else None
     if info == "is_readable":
         if sock.fileno() < 0:
             return True
@@ -230,9 +247,12 @@ def _tls_context() -> ssl.SSLContext:
     return ssl.create_default_context()
 
 
-def burst_transport(sockets: Iterable[socket.socket], *, limits: httpx.Limits | None = None) -> httpx.HTTPTransport:
-    """An `httpx.HTTPTransport` whose first new connections are the given pre-opened sockets."""
-    transport = httpx.HTTPTransport(limits=limits or httpx.Limits(), verify=_tls_context())
+def burst_transport(
+    sockets: Iterable[socket.socket], *, limits: httpx.Limits | None = None, verify: ssl.SSLContext | None = None
+) -> httpx.HTTPTransport:
+    """An `httpx.HTTPTransport` whose first new connections are the given pre-opened sockets (TCP: for an
+    ``https://`` origin the TLS handshake runs on them at the first request, checked with ``verify``)."""
+    transport = httpx.HTTPTransport(limits=limits or httpx.Limits(), verify=verify or _tls_context())
     # httpx takes no network backend argument; its pool does. Test tooling, so the private attribute is fine.
     transport._pool._network_backend = PreopenedBackend(sockets)
     return transport
