@@ -18,6 +18,7 @@ from ._httpx.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._httpx.sync_transport import GuardTransport
 from ._install.guard import guard
 from ._install.patching import Installation, install, uninstall
+from ._metrics.sources import result_of, stats_of
 
 __version__ = "0.1.0"
 
@@ -39,6 +40,8 @@ __all__ = [
     "__version__",
     "guard",
     "install",
+    "result_of",
+    "stats_of",
     "uninstall",
 ]
 

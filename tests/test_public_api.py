@@ -28,6 +28,8 @@ def test_exported_members() -> None:
             "__version__",
             "guard",
             "install",
+            "result_of",
+            "stats_of",
             "uninstall",
         ]
     )

@@ -47,6 +47,12 @@ class StallLog:
         self._counts: dict[Origin, dict[str, int]] = {}
         self._timers: dict[Origin, threading.Timer] = {}
         self._started: dict[Origin, float] = {}
+        self._episodes: dict[Origin, int] = {}  # episodes begun per origin, for the metrics
+
+    def episodes(self) -> dict[Origin, int]:
+        """How many stall episodes began per origin in this process (each one WARNING)."""
+        with self._lock:
+            return dict(self._episodes)
 
     def replaced(self, origin: Origin, detail: str) -> None:
         """One stalled connection to ``origin`` is being replaced; ``detail``: the DEBUG record's text."""
@@ -65,6 +71,7 @@ class StallLog:
             if origin in self._timers:
                 return
             self._started[origin] = time.monotonic()
+            self._episodes[origin] = self._episodes.get(origin, 0) + 1
             timer = self._timers[origin] = threading.Timer(self._episode, self.flush, args=(origin,))
             timer.daemon = True
         timer.start()

@@ -110,7 +110,7 @@ class OriginStats(GuardStats):
 
     # -- the parent's conditions ---------------------------------------------------------------------------------
 
-    @property  # type: ignore[override]
+    @property
     def public_path(self) -> str | None:
         parent = self._parent()
         return None if parent is None else parent.public_path
@@ -121,7 +121,7 @@ class OriginStats(GuardStats):
         if parent is not None:
             parent.public_path = value
 
-    @property  # type: ignore[override]
+    @property
     def probing_off(self) -> str | None:
         parent = self._parent()
         return None if parent is None else parent.probing_off
@@ -132,7 +132,7 @@ class OriginStats(GuardStats):
         if parent is not None:
             parent.probing_off = value
 
-    @property  # type: ignore[override]
+    @property
     def late_answers_unseen(self) -> str | None:
         parent = self._parent()
         return None if parent is None else parent.late_answers_unseen
@@ -159,17 +159,18 @@ class OriginTotals:
     first_byte: LatencyHistogram = field(default_factory=LatencyHistogram)
     connection_strategy: str | None = None
 
-    def add(self, account: GuardStats) -> None:
-        """Add ``account``'s counts (read under its lock: one consistent moment)."""
+    def add(self, account: GuardStats, strategies: dict[str, str] | None = None) -> None:
+        """Add ``account``'s counts (read under its lock: one consistent moment); ``strategies``: its parent's
+        connection strategies (``GuardStats.connection_strategies``), where a transport records its choices."""
         with account._lock:
             for name in COUNTS:
                 self.counts[name] += getattr(account, name)
             self.errors.update(account.errors)
             self.retries_by_reason.update(account.retries_by_reason)
             self.first_byte.merge(account.first_byte)
-            choices = getattr(account, "connection_strategies", None)
-            if choices:
-                self.connection_strategy = choices.get(str(self.origin), self.connection_strategy)
+            for choices in (getattr(account, "connection_strategies", None), strategies):
+                if choices:
+                    self.connection_strategy = choices.get(str(self.origin), self.connection_strategy)
 
     def merged(self, other: OriginTotals) -> None:
         for name in COUNTS:
@@ -226,11 +227,12 @@ class StatsSet:
                 result[key] = OriginTotals(*key)
                 result[key].merged(retired)
         for stats in live:
+            strategies = getattr(stats, "connection_strategies", None)
             for key, account in stats.by_origin().items():
                 totals = result.get(key)
                 if totals is None:
                     totals = result[key] = OriginTotals(*key)
-                totals.add(account)
+                totals.add(account, strategies)
         return result
 
 

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import httpx
 
 from .._core.policy import GuardPolicy
+from .._core.stats import GuardStats
 from .._httpx import internals as httpx_internals
 from .._httpx.async_transport import AsyncGuardTransport
 from .._httpx.sync_transport import GuardTransport
@@ -22,8 +23,9 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     Takes an `httpx.Client` or `httpx.AsyncClient`, or their httpx2 twins (with ``llama-guard[httpx2]``). Base
     URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports are
     wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
-    given. httpx offers no public way to replace a client's transports, so this sets the client's ``_transport``
-    and ``_mounts``: only on the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise).
+    given. The transports it wraps count into one `GuardStats`: ``llama_guard.stats_of(client)``. httpx offers no
+    public way to replace a client's transports, so this sets the client's ``_transport`` and ``_mounts``: only on
+    the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise).
     """
     guard_class, internals = _guard_class_for(client)
     untested = internals.untested_versions()
@@ -33,12 +35,18 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
             "build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) instead"
         )
 
+    shared: list[GuardStats] = []  # one account for the client: made with its first guard
+
     def wrap(transport: Any) -> Any:
         if isinstance(transport, guard_class):
             if policy is None or policy == transport.policy:
+                if not shared:
+                    shared.append(transport.stats)
                 return transport
             transport = transport.transport
-        return guard_class(transport, policy=policy)
+        if not shared:
+            shared.append(GuardStats())
+        return guard_class(transport, policy=policy, stats=shared[0])
 
     internals.replace_client_transports(client, wrap)
     return client

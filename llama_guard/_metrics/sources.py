@@ -1,0 +1,100 @@
+"""`stats_of()` and `result_of()`: a guarded client's counters and a response's account, whatever the stack.
+
+A client guarded by `guard()` keeps its guard in private attributes (its transports, its mounts); these functions
+reach them through the internals modules, so that user code needs neither ``client._transport`` nor to know which
+stack it holds.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .._core.result import EXTENSION, GuardResult
+from .._core.stats import GuardStats
+
+__all__ = ["result_of", "stats_of"]
+
+
+def stats_of(target: object) -> GuardStats:
+    """The `GuardStats` that counts what the guard does for ``target``.
+
+    ``target``: a client guarded with `guard()` or built with a guard transport (`httpx.Client`,
+    `httpx.AsyncClient`, or their httpx2 twins), a guard transport, an aiohttp `ClientSession` guarded with
+    ``llama_guard.aiohttp``, a `GuardMiddleware`, an `Installation`, or a `GuardStats`. A client or session that
+    only `install()` guards gives the installation's counters. Raises `ValueError` for a client without a guard,
+    and `TypeError` for anything else.
+    """
+    if isinstance(target, GuardStats):
+        return target
+    stats = getattr(target, "stats", None)
+    if isinstance(stats, GuardStats):  # a transport of either flavour, GuardMiddleware, Installation
+        return stats
+    library = type(target).__module__.partition(".")[0]
+    if library in ("httpx", "httpx2"):
+        return _client_stats(target, library)
+    if library == "aiohttp" and "llama_guard._aiohttp.session" in sys.modules:
+        from .._aiohttp.session import guard_of
+
+        guard = guard_of(target)  # type: ignore[arg-type]
+        if guard is not None:
+            return guard.stats
+        return _installed_or_fail(target, "guard it with llama_guard.aiohttp.guard_session(session)")
+    if library == "aiohttp":
+        return _installed_or_fail(target, "guard it with llama_guard.aiohttp.guard_session(session)")
+    raise TypeError(
+        "stats_of() takes a guarded httpx/httpx2 client, an aiohttp session, a guard transport, an Installation or "
+        f"a GuardStats; got {type(target).__name__}"
+    )
+
+
+def _client_stats(client: Any, library: str) -> GuardStats:
+    if library == "httpx":
+        from .._httpx.internals import client_transports
+    else:
+        from .._httpx2.internals import client_transports
+    try:
+        transport, mounts = client_transports(client)
+    except AttributeError:  # not a client: a request, a response...
+        raise TypeError(f"stats_of() takes a client, not an {library} {type(client).__name__}") from None
+    found: list[GuardStats] = []
+    for candidate in (transport, *mounts.values()):
+        stats = getattr(candidate, "stats", None)
+        if isinstance(stats, GuardStats) and not any(stats is seen for seen in found):
+            found.append(stats)
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise ValueError(
+            f"this client has {len(found)} guard transports with counters of their own (its transport and mounts): "
+            "read each transport's stats, or guard the client with llama_guard.guard(client), whose transports "
+            "share one GuardStats"
+        )
+    return _installed_or_fail(client, "guard it with llama_guard.guard(client)")
+
+
+def _installed_or_fail(target: object, how: str) -> GuardStats:
+    from .._install.patching import installation
+
+    current = installation()
+    if current is not None:
+        return current.stats
+    raise ValueError(f"this {type(target).__name__} has no guard: {how}, or call llama_guard.install()")
+
+
+def result_of(response: object) -> GuardResult | None:
+    """The guard's account (`GuardResult`) for ``response``, an httpx/httpx2 ``Response`` or an aiohttp
+    ``ClientResponse``; None for a response the guard let by (another origin)."""
+    extensions = getattr(response, "extensions", None)
+    if isinstance(extensions, dict):
+        result = extensions.get(EXTENSION)
+        return result if isinstance(result, GuardResult) else None
+    if type(response).__module__.partition(".")[0] == "aiohttp":
+        if "llama_guard._aiohttp.middleware" not in sys.modules:
+            return None  # no aiohttp guard was ever made in this process
+        from .._aiohttp.middleware import guard_result
+
+        return guard_result(response)  # type: ignore[arg-type]
+    raise TypeError(
+        f"result_of() takes an httpx/httpx2 Response or an aiohttp ClientResponse; got {type(response).__name__}"
+    )
