@@ -239,3 +239,26 @@ def cap_keepalive_expiry(transport: Any, seconds: float = KEEPALIVE_EXPIRY) -> b
         return False
     pool._keepalive_expiry = seconds
     return True
+
+
+# -- undoing it (uninstall()) -------------------------------------------------------------------------------------
+# Every attribute the guard sets on a pool instance: the keep-alive cap and the race fix above, the network backend
+# and create_connection of async_connections.track_connections. install() records them before its guard touches a
+# pool, and uninstall() puts them back (a test compares the pool's whole instance dict).
+_POOL_CHANGES = ("_keepalive_expiry", "_assign_requests_to_connections", "_network_backend", "create_connection")
+_ABSENT = object()  # the pool had no instance attribute of that name (a method looked up on the class)
+
+
+def pool_state(pool: Any) -> dict[str, Any]:
+    """What the guard may change on ``pool`` (from `hookable_pool`), as the pool has it now: for `restore_pool`."""
+    own = vars(pool)
+    return {name: own.get(name, _ABSENT) for name in _POOL_CHANGES}
+
+
+def restore_pool(pool: Any, state: dict[str, Any]) -> None:
+    """Put back what `pool_state` recorded. Connections opened meanwhile keep the settings they were opened with."""
+    for name, value in state.items():
+        if value is _ABSENT:
+            remove_instance_method(pool, name)
+        else:
+            setattr(pool, name, value)

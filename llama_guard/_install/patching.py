@@ -15,7 +15,9 @@ For each request the wrapper decides:
 - a transport that an explicit guard already wraps (`guard(client)`): left alone, never guarded twice.
 
 Without ``origins``, a server is guarded once it has identified itself (``Server: llama.cpp``): its first response
-goes through unguarded (its stream's connection is still dropped, as in ``origins="auto"``).
+goes through unguarded (its stream's connection is still dropped, as in ``origins="auto"``). Until then a
+transport is not touched: its pool (keep-alive expiry, connection hooks) changes only once it sends a request to a
+llama-server origin. `uninstall()` puts back what the guards changed on each pool (``internals.restore_pool``).
 
 aiohttp sessions get the guard's middleware at their first request while installed (``aiohttp_sessions.py``).
 """
@@ -28,11 +30,12 @@ import importlib
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple
 
 import wrapt
 
+from .._core.decisions import is_streaming_response
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import is_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -98,6 +101,9 @@ class Installation:
         # "auto" mode it learns (for the whole process) through the shared registry.
         self._guard_policy = dataclasses.replace(policy, origins="auto" if origins == "auto" else "all")
         self._guards: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        # Each pool a guard was built on, with what it was before (its library's internals module, the state).
+        self._pools: weakref.WeakKeyDictionary[Any, tuple[Any, dict[str, Any]]] = weakref.WeakKeyDictionary()
+        self._released = False
         self._lock = threading.Lock()
         self._sessions = InstalledSessions(self._guard_policy, self.stats, self._registry)
 
@@ -108,19 +114,52 @@ class Installation:
     def known_origins(self) -> frozenset[Origin]:
         return self._registry.known()
 
-    def _covers(self, url: Any) -> bool:
-        """Whether a request to ``url`` goes to a guard: always in "auto" mode, which must see it to learn."""
-        return self._registry.learns or self._registry.is_llama(Origin.of_url(url))
-
     def _guard_for(self, instance: Any, target: _Target, original: Callable[..., Any]) -> Any:
+        """The guard of one transport instance, built at its first llama-server request; None once released."""
         guard = self._guards.get(instance)
         if guard is None:
             with self._lock:
                 guard = self._guards.get(instance)
                 if guard is None:
+                    if self._released:  # uninstall() ran while this request was on its way
+                        return None
+                    self._remember_pool(instance, target)
                     guard = _build_guard(instance, target, original, self)
                     self._guards[instance] = guard
         return guard
+
+    def _remember_pool(self, instance: Any, target: _Target) -> None:
+        internals = importlib.import_module(_INTERNALS[target.module])
+        pool = internals.hookable_pool(instance)  # the pool the guard will change, if it can reach one
+        if pool is not None and pool not in self._pools:
+            self._pools[pool] = (internals, internals.pool_state(pool))
+
+    def _learn_from(
+        self, response: Any, instance: Any, target: _Target, original: Callable[..., Any], origin: Origin
+    ) -> Any:
+        """In "auto" mode, a response of an origin not known as llama-server: it may say it is one. Then its
+        stream's connection is dropped (that server closes it), by the guard the transport gets from now on."""
+        self.stats.add(passthrough=1)
+        if (
+            self._registry.learn(origin, response.headers)
+            and self._guard_policy.stream_mode != "off"
+            and is_streaming_response(response.headers)
+        ):
+            guard = self._guard_for(instance, target, original)
+            if guard is not None:
+                guard._drop_after_stream(response)  # the guard's own rule for which streams it can drop
+        return response
+
+    def _release(self) -> None:
+        """Take this installation off everything it changed: aiohttp sessions, and each pool its guards hooked.
+        Guards already handling a request finish it; no new one is built."""
+        with self._lock:
+            self._released = True
+            for pool, (internals, state) in list(self._pools.items()):
+                internals.restore_pool(pool, state)
+            self._pools = weakref.WeakKeyDictionary()
+            self._guards = weakref.WeakKeyDictionary()
+        self._sessions.release()
 
 
 def _build_guard(instance: Any, target: _Target, original: Callable[..., Any], owner: Installation) -> Any:
@@ -209,7 +248,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
         if _current is not None and _current.origins == setting and _current.policy == policy:
             return _current
         if _current is not None:
-            _current._sessions.release()  # its sessions get the new settings at their next request
+            _current._release()  # its pools and sessions get the new settings at their next request
         _current = Installation(setting, policy)
         for module in (*_MODULES, _AIOHTTP):
             if module not in _hooked_modules:
@@ -230,7 +269,7 @@ def uninstall() -> None:
     global _current, _aiohttp_handle
     with _STATE_LOCK:
         if _current is not None:
-            _current._sessions.release()
+            _current._release()
         _current = None
         if _aiohttp_handle is not None:
             session_class, method, handle = _aiohttp_handle
@@ -315,9 +354,29 @@ def _wrapper_for(target: _Target, original: Callable[..., Any]) -> Callable[...,
             return wrapped(*args, **kwargs)
         request = args[0] if args else kwargs.get("request")
         url = getattr(request, "url", None)
-        if url is None or not current._covers(url):
+        if url is None:
             return wrapped(*args, **kwargs)
-        guard = current._guard_for(instance, target, original)
-        return getattr(guard, target.method)(request)
+        origin = Origin.of_url(url)
+        if current._registry.is_llama(origin):
+            guard = current._guard_for(instance, target, original)
+            if guard is not None:
+                return getattr(guard, target.method)(request)
+        elif current._registry.learns:
+            # Not a guard's: the transport and its pool stay as they are until it talks to llama-server.
+            if target.method == "handle_async_request":
+                return _learn_async(current, wrapped(*args, **kwargs), instance, target, original, origin)
+            return current._learn_from(wrapped(*args, **kwargs), instance, target, original, origin)
+        return wrapped(*args, **kwargs)
 
     return wrapper
+
+
+async def _learn_async(
+    current: Installation,
+    sent: Awaitable[Any],
+    instance: Any,
+    target: _Target,
+    original: Callable[..., Any],
+    origin: Origin,
+) -> Any:
+    return current._learn_from(await sent, instance, target, original, origin)
