@@ -6,7 +6,8 @@
     LLAMA_UPSTREAM=http://127.0.0.1:8080 uvicorn examples.fastapi_proxy:app --port 8000
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed when the body says "stream": true), GET /v1/models,
-GET /health (the proxy itself) and GET /guard/stats (the guard's counters and the proxy's own).
+GET /health (the proxy itself), GET /guard/stats (the guard's counters and the proxy's own, JSON) and GET /metrics
+(the guard's counters in Prometheus' text format, per origin: llama_guard.metrics; needs prometheus_client).
 
 The whole app shares one httpx.AsyncClient, made in the lifespan and closed at shutdown, whose transport is a
 llama_guard.AsyncGuardTransport. Without the guard, a proxy like this one loses requests: llama-server closes the
@@ -54,11 +55,12 @@ import anyio
 import httpx
 
 import llama_guard
+from llama_guard.metrics import PrometheusCollector
 
 try:
     import uvicorn
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.types import Receive, Scope, Send
 except ModuleNotFoundError as error:  # not examples/_llama_url.missing_extra: uvicorn imports this as a package module
     print(
@@ -66,6 +68,10 @@ except ModuleNotFoundError as error:  # not examples/_llama_url.missing_extra: u
         file=sys.stderr,
     )
     raise SystemExit(2) from None
+try:  # /metrics only: the proxy runs without it
+    import prometheus_client
+except ModuleNotFoundError:
+    prometheus_client = None  # type: ignore[assignment]
 
 __all__ = ["ProxyConfig", "ProxyStats", "app", "config_from_env", "create_app"]
 
@@ -316,6 +322,13 @@ def app_for(config: ProxyConfig) -> FastAPI:
         ) as client:
             upstream["client"] = client
             upstream["transport"] = transport if config.guarded else None
+            if config.guarded and prometheus_client is not None:
+                # The registry /metrics serves: this app's guard only (prometheus_client.REGISTRY would be the
+                # process's, with every guard in it: llama_guard.metrics.register_prometheus()).
+                registry = prometheus_client.CollectorRegistry()
+                registry.register(PrometheusCollector(sources=[transport]))
+                upstream["registry"] = registry
+            app.state.guard_stats = llama_guard.stats_of(client) if config.guarded else None
             log.info("proxying to %s (%s)", config.upstream, "guarded" if config.guarded else "NOT guarded")
             yield
             upstream.clear()
@@ -393,6 +406,15 @@ def app_for(config: ProxyConfig) -> FastAPI:
         transport = upstream.get("transport")
         guard = transport.stats.snapshot().as_dict() if isinstance(transport, llama_guard.AsyncGuardTransport) else None
         return {"guarded": config.guarded, "guard": guard, "proxy": asdict(stats)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if prometheus_client is None:
+            message = "/metrics needs prometheus_client: pip install -e '.[examples]' (or 'llama-guard[prometheus]')\n"
+            return PlainTextResponse(message, status_code=501)
+        registry = upstream.get("registry")
+        text = prometheus_client.generate_latest(registry) if registry is not None else b""
+        return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     return app
 
