@@ -21,7 +21,7 @@ import llama_guard
 from llama_guard._cli.demo import demo_rows, format_table
 from llama_guard._cli.load import LoadRow, proxy_load, run_threads
 from llama_guard._cli.main import COMMANDS, build_parser, main
-from llama_guard.testing import LlamaServerEmulator
+from llama_guard.testing import Fault, LlamaServerEmulator
 
 
 @pytest.mark.slow  # the whole demo, 15 s or more
@@ -34,15 +34,25 @@ def test_demo_shows_the_defects_and_the_fix(capsys: pytest.CaptureFixture[str]) 
         guard = rows[(scenario, "guard")]
         assert (guard.errors, guard.stuck) == (0, 0), scenario
         assert guard.requests > 0
-    assert "[4/4] burst, guard" in capsys.readouterr().err  # progress on the terminal
+    err = capsys.readouterr().err
+    assert "[4/4] burst, guard" in err  # progress on the terminal
     table = format_table(list(rows.values()))
-    assert "stuck conns" in table
+    assert "  lost  stuck  " in table
     assert "max first byte" in table
+    # A stuck connection is in the max first byte figure: beyond the run, not left out.
+    assert "> 2 s (12 stuck)" in table.splitlines()[4]
+    # The final figures are those of each step's last progress line.
+    done = [line for line in err.splitlines() if line.lstrip().startswith("done in")]
+    assert len(done) == 4
+    for line, row in zip(done, rows.values(), strict=True):
+        assert line.endswith(f"{row.requests} requests, {row.errors} lost, {row.stuck} stuck"), (line, row)
 
 
 def test_demo_command_exits_zero_and_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--requests", "100", "--clients", "8", "--seconds", "1"]) == 0
-    assert "The guard lost 0 requests" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "The guard lost 0 and left 0 stuck" in out
+    assert "Next: guard your own client" in out
 
 
 def test_python_m_llama_guard_help() -> None:
@@ -180,5 +190,43 @@ def test_the_load_reports_its_progress_on_the_given_stream() -> None:
             client, row, requests=12, workers=4, path="/v1/chat/completions", body_for=lambda _: body, progress=progress
         )
     lines = progress.getvalue().splitlines()
-    assert lines, "no progress during a load of about 3 s"
-    assert all(re.fullmatch(r" +\d+ s: \d+ of 12 requests, \d+ lost", line) for line in lines), lines
+    assert len(lines) >= 2, "no progress during a load of about 3 s"
+    assert all(
+        re.fullmatch(r" +\d+ s: \d+ of 12 requests, \d+ lost, \d+ stuck(, \d+ in flight|; waiting for .*)?", line)
+        for line in lines[:-1]
+    ), lines
+    assert re.fullmatch(r" +done in [\d.]+ s: 12 of 12 requests, 0 lost, 0 stuck", lines[-1]), lines
+
+
+def test_a_request_without_an_answer_is_counted_as_stuck_not_waited_out_silently() -> None:
+    """One request of the load is read and never answered (the client's own timeout is 10 s): the load counts it
+    as stuck after the stated bound, its progress says what it waits for, and its last line holds the final
+    figures. Fails when the request is waited out for the client's timeout, or waited for without a word."""
+    progress = io.StringIO()
+    row = LoadRow("pooled load", "plain httpx")
+    with (
+        LlamaServerEmulator() as server,
+        httpx.Client(base_url=server.url, timeout=10.0) as client,
+    ):
+        rule = server.inject(Fault.HEADERS_NEVER, path="/v1/chat/completions")
+        body = {"messages": [], "max_tokens": 2, "stream": False}
+        started = time.monotonic()
+        proxy_load(
+            client,
+            row,
+            requests=20,
+            workers=4,
+            path="/v1/chat/completions",
+            body_for=lambda _: body,
+            progress=progress,
+            stuck_after=1.0,
+            every=0.2,
+        )
+        seconds = time.monotonic() - started
+    assert rule.triggered == 1  # the cause was there
+    assert seconds < 5.0, "the unanswered request was waited out for the client's timeout"
+    assert (row.requests, row.errors, row.stuck, row.answered) == (20, 0, 1, 19)
+    lines = progress.getvalue().splitlines()
+    waiting = "waiting for the last 1 in flight (no answer within 1 s counts as stuck)"
+    assert any(line.endswith(waiting) for line in lines), lines
+    assert lines[-1].split(": ", 1)[1] == f"20 of 20 requests, {row.counts()}" == "20 of 20 requests, 0 lost, 1 stuck"

@@ -19,16 +19,29 @@ import httpx
 
 __all__ = ["PROGRESS_EVERY", "LoadRow", "join_stragglers", "proxy_load", "run_threads", "send_one"]
 
+#: The word for a request that failed with an error (the server closed its connection, an error status, ...).
+LOST = "lost"
+#: The word for a request that got no answer within the load's bound (``stuck_after``): it was not waited out.
+STUCK = "stuck"
+
 
 @dataclass
 class LoadRow:
-    """What one client saw: requests, failures and first-byte latencies."""
+    """What one client saw: requests, and of them the ones lost (failed with an error) and stuck (no answer within
+    the load's bound), and the first-byte latencies of the answered ones."""
 
     scenario: str
     client: str
+    #: Requests finished: answered, lost or stuck.
     requests: int = 0
+    #: Requests lost: failed with an error, or answered with an error status.
     errors: int = 0
+    #: Requests stuck: no answer within the load's bound (``stuck_after``), given up on rather than waited out.
     stuck: int = 0
+    #: The bound after which a request counts as stuck, in seconds (None: requests were waited out).
+    stuck_after: float | None = None
+    #: Requests sent and not finished yet.
+    in_flight: int = 0
     first_bytes: list[float] = field(default_factory=list)
     #: Failures by kind: the httpx exception's name and message, or ``HTTP 503`` for an error answer.
     error_kinds: dict[str, int] = field(default_factory=dict)
@@ -36,11 +49,16 @@ class LoadRow:
     timeline: list[tuple[float, float | None, bool]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def started(self) -> None:
+        with self.lock:
+            self.in_flight += 1
+
     def record(
         self, first_byte: float | None, error: str | None = None, *, at: float = 0.0, stream: bool = False
     ) -> None:
         with self.lock:
             self.requests += 1
+            self.in_flight = max(self.in_flight - 1, 0)
             self.timeline.append((at, first_byte if error is None else None, stream))
             if first_byte is None or error is not None:
                 self.errors += 1
@@ -48,6 +66,23 @@ class LoadRow:
                 self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
             else:
                 self.first_bytes.append(first_byte)
+
+    def record_stuck(self, *, at: float = 0.0, stream: bool = False) -> None:
+        """A request with no answer within ``stuck_after``: neither answered nor lost."""
+        with self.lock:
+            self.requests += 1
+            self.stuck += 1
+            self.in_flight = max(self.in_flight - 1, 0)
+            self.timeline.append((at, None, stream))
+
+    @property
+    def answered(self) -> int:
+        return self.requests - self.errors - self.stuck
+
+    def counts(self) -> str:
+        """``"K lost, S stuck"``: the words and figures of progress lines and of final figures alike."""
+        with self.lock:
+            return f"{self.errors} {LOST}, {self.stuck} {STUCK}"
 
     @property
     def median(self) -> float:
@@ -66,17 +101,26 @@ def send_one(
     *,
     timeout: float | None = None,
     origin: float | None = None,
+    stuck_after: float | None = None,
 ) -> bool:
-    """One request, read to its end; recorded in ``row``. True when it was answered with 200."""
+    """One request, read to its end; recorded in ``row``. True when it was answered with 200. With
+    ``stuck_after``, a request with no answer within that many seconds (httpx's timeouts, each) is given up and
+    recorded as stuck rather than waited out for the client's own timeout."""
     started = time.monotonic()
     at = started - origin if origin is not None else 0.0
     stream = body.get("stream") is True
+    row.started()
     try:
         request_timeout: float | httpx.Timeout = client.timeout if timeout is None else timeout
+        if stuck_after is not None:
+            request_timeout = stuck_after if timeout is None else min(stuck_after, timeout)
         with client.stream("POST", path, json=body, timeout=request_timeout) as response:
             first_byte = time.monotonic() - started
             response.read()
     except httpx.HTTPError as exc:
+        if stuck_after is not None and isinstance(exc, httpx.TimeoutException):
+            row.record_stuck(at=at, stream=stream)
+            return False
         # The message tells causes apart that share a type: "Server disconnected" (a connection the server
         # closed) from "Bad file descriptor" (httpcore's own pool race between threads).
         kind = f"{type(exc).__name__}: {str(exc).rstrip('.')}" if str(exc) else type(exc).__name__
@@ -97,28 +141,43 @@ def proxy_load(
     body_for: Callable[[int], dict[str, object]],
     deadline: float | None = None,
     progress: TextIO | None = None,
+    stuck_after: float | None = None,
+    every: float | None = None,
 ) -> None:
     """``requests`` requests from ``workers`` threads sharing ``client``; no new request after ``deadline``
-    (a time.monotonic() value), so a slow server cannot stretch the load without bound. With ``progress``, a
-    line there every few seconds: how many were sent and lost so far."""
+    (a time.monotonic() value), so a slow server cannot stretch the load without bound; with ``stuck_after``, a
+    request with no answer within that many seconds is counted as stuck, not waited out. With ``progress``, a
+    line there every few seconds (``every``): how many finished, lost and stuck so far, and what is waited for;
+    and a last line when the load is done, whose figures are the row's."""
     counter = itertools.count()
     origin = time.monotonic()
     stop = threading.Event()
+    row.stuck_after = stuck_after
+    bound = f" (no answer within {stuck_after:g} s counts as {STUCK})" if stuck_after is not None else ""
 
     def worker() -> None:
         while not stop.is_set() and (index := next(counter)) < requests:
             if deadline is not None and time.monotonic() >= deadline:
                 return
-            send_one(client, path, body_for(index), row, origin=origin)
+            send_one(client, path, body_for(index), row, origin=origin, stuck_after=stuck_after)
+
+    def line(prefix: str) -> str:
+        with row.lock:
+            done, waiting = row.requests, row.in_flight
+        text = f"      {prefix}: {done} of {requests} requests, {row.counts()}"
+        if waiting and done + waiting >= requests:
+            text += f"; waiting for the last {waiting} in flight{bound}"
+        elif waiting:
+            text += f", {waiting} in flight"
+        return text
 
     def tick() -> None:
         if progress is not None:
-            with row.lock:
-                done, lost = row.requests, row.errors
-            elapsed = time.monotonic() - origin
-            print(f"      {elapsed:3.0f} s: {done} of {requests} requests, {lost} lost", file=progress, flush=True)
+            print(line(f"{time.monotonic() - origin:3.0f} s"), file=progress, flush=True)
 
-    run_threads([worker] * workers, stop=stop, tick=tick)
+    run_threads([worker] * workers, stop=stop, tick=tick, every=PROGRESS_EVERY if every is None else every)
+    if progress is not None:
+        print(line(f"done in {time.monotonic() - origin:.1f} s"), file=progress, flush=True)
 
 
 #: Seconds between progress lines of a long wait.

@@ -35,6 +35,7 @@ __all__ = [
     "locate",
     "keepalive_check",
     "load_check",
+    "stuck_bound",
 ]
 
 CHAT = "/v1/chat/completions"
@@ -56,6 +57,19 @@ LOAD_WORKERS = 8
 LOAD_CONNECTIONS = 4
 #: No new request of the load after this many seconds, whatever ``--requests`` says.
 LOAD_BUDGET = 30.0
+#: A request of the load with no answer within ``STUCK_FACTOR`` times the slowest completion of the keep-alive
+#: checks (at least ``STUCK_FLOOR`` s, at most ``--timeout``) counts as stuck instead of being waited out.
+STUCK_FACTOR = 10.0
+STUCK_FLOOR = 1.0
+
+
+def stuck_bound(completions: list[float | None], timeout: float) -> float:
+    """Seconds after which a request of the pooled load counts as stuck: ``STUCK_FACTOR`` times the slowest
+    completion the server gave doctor alone, at least ``STUCK_FLOOR``, at most ``timeout``."""
+    slowest = max((value for value in completions if value is not None), default=None)
+    if slowest is None:
+        return timeout
+    return round(min(timeout, max(STUCK_FLOOR, STUCK_FACTOR * slowest)), 1)
 
 
 def chat_body(*, stream: bool, max_tokens: int) -> dict[str, object]:
@@ -265,9 +279,11 @@ def load_check(
     max_tokens: int,
     api_key: str | None,
     progress: TextIO | None = None,
+    stuck_after: float | None = None,
 ) -> LoadRow:
     """The proxy-like load: ``LOAD_WORKERS`` threads share one client with ``LOAD_CONNECTIONS`` connections,
-    every second request streamed; with plain httpx or with the guard."""
+    every second request streamed; with plain httpx or with the guard. A request with no answer within
+    ``stuck_after`` seconds counts as stuck."""
     row = LoadRow("pooled load", "guard" if guarded else "plain httpx")
     # Idle connections expire before llama-server's 5 s keep-alive timeout, so that plain httpx's losses are the
     # stream defect's, not the ordinary race with an idle timeout.
@@ -287,5 +303,6 @@ def load_check(
             body_for=lambda index: chat_body(stream=index % 2 == 1, max_tokens=max_tokens),
             deadline=time.monotonic() + LOAD_BUDGET,
             progress=progress,
+            stuck_after=stuck_after,
         )
     return row

@@ -22,10 +22,10 @@ from typing import Any, TextIO
 from ..llama_build import build_has_pool_defect
 from ..load import LoadRow
 from ..main import interrupted
-from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate
+from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate, stuck_bound
 from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target
 from .report import check_report_path, write_report
-from .verdict import LoadShape, exit_code, findings, load_evidence
+from .verdict import OTHER_CLIENTS, LoadShape, client_finding, exit_code, findings
 
 __all__ = ["DoctorOptions", "doctor_json", "format_text", "run_doctor"]
 
@@ -108,15 +108,21 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
             target, stream=False, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key
         )
 
+    def bound() -> float:
+        return stuck_bound(
+            [None if check is None else check.complete for check in (run.stream, run.nonstream)], options.timeout
+        )
+
     if options.requests:
 
         @step(f"pooled load with plain httpx: {options.requests} requests")
         def _plain() -> None:
-            run.plain = _load(options, target, api_key, guarded=False, progress=progress)
+            _say_bound(bound(), err if not options.quiet else None)
+            run.plain = _load(options, target, api_key, guarded=False, progress=progress, stuck_after=bound())
 
         @step(f"pooled load with the guard: {options.requests} requests")
         def _guard() -> None:
-            run.guard = _load(options, target, api_key, guarded=True, progress=progress)
+            run.guard = _load(options, target, api_key, guarded=True, progress=progress, stuck_after=bound())
 
     if options.burst:
 
@@ -131,8 +137,13 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     assert run.identity is not None
     assert run.stream is not None
     assert run.nonstream is not None
-    load = load_evidence(run.plain, run.guard, LoadShape(LOAD_WORKERS, LOAD_CONNECTIONS))
-    run.findings = findings(run.identity, run.stream, run.nonstream, run.burst, load)
+    shape = LoadShape(LOAD_WORKERS, LOAD_CONNECTIONS)
+    # The pooled load is the unguarded client's own finding (what it lost, and why), not a line of defect 1's.
+    run.findings = findings(run.identity, run.stream, run.nonstream, run.burst)
+    stream_close = any(item.defect == "stream-close" and item.status == AFFECTED for item in run.findings)
+    client = client_finding(run.plain, run.guard, stream_close=stream_close, shape=shape)
+    if client is not None:
+        run.findings.append(client)
     run.seconds = time.monotonic() - run.started
     code = exit_code(run.findings)
     if options.report is not None:
@@ -146,8 +157,24 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     return code
 
 
+def _say_bound(seconds: float, err: TextIO | None) -> None:
+    if err is not None:
+        print(
+            f"      a request with no answer within {seconds:g} s counts as stuck (10 x the slowest completion so "
+            "far, at least 1 s, at most --timeout)",
+            file=err,
+            flush=True,
+        )
+
+
 def _load(
-    options: DoctorOptions, target: Target, api_key: str | None, *, guarded: bool, progress: TextIO | None
+    options: DoctorOptions,
+    target: Target,
+    api_key: str | None,
+    *,
+    guarded: bool,
+    progress: TextIO | None,
+    stuck_after: float,
 ) -> LoadRow:
     return load_check(
         target,
@@ -157,11 +184,14 @@ def _load(
         max_tokens=options.max_tokens,
         api_key=api_key,
         progress=progress,
+        stuck_after=stuck_after,
     )
 
 
 def _wrap(text: str, indent: str) -> str:
-    return textwrap.fill(text, width=110, initial_indent=indent, subsequent_indent=indent + "  ")
+    return textwrap.fill(
+        text, width=110, initial_indent=indent, subsequent_indent=indent + "  ", break_on_hyphens=False
+    )
 
 
 def _finding_text(item: Finding) -> list[str]:
@@ -190,7 +220,17 @@ def format_text(run: DoctorRun, code: int) -> str:
     affected = [item.defect for item in run.findings if item.status == AFFECTED]
     unknown = [item.defect for item in run.findings if item.status == COULD_NOT_TELL]
     if affected:
-        verdict = f"affected: {', '.join(affected)}" + (f"; could not tell: {', '.join(unknown)}" if unknown else "")
+        verdict = f"a client here is exposed: affected: {', '.join(affected)}" + (
+            f"; could not tell: {', '.join(unknown)}" if unknown else ""
+        )
+        lines += [
+            "",
+            _wrap(
+                f"for clients that cannot use llama_guard (another language, a proxy in front of llama-server): "
+                f"{OTHER_CLIENTS} (nginx's default upstream, or 'Connection: close' on every request)",
+                "",
+            ),
+        ]
     elif unknown:
         verdict = f"could not tell: {', '.join(unknown)} (no defect found, but not every defect was examined)"
     else:
@@ -205,6 +245,8 @@ def _load_json(row: LoadRow | None) -> dict[str, Any] | None:
     return {
         "requests": row.requests,
         "errors": row.errors,
+        "stuck": row.stuck,
+        "stuck_after": row.stuck_after,
         "error_kinds": dict(sorted(row.error_kinds.items())),
         "median_first_byte": round(row.median, 6),
         "max_first_byte": round(row.maximum, 6),

@@ -15,8 +15,11 @@ from ..load import LoadRow
 from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
 
 __all__ = [
+    "CLIENT_DEFECT",
     "EXIT_COULD_NOT_TELL",
+    "OTHER_CLIENTS",
     "LoadShape",
+    "client_finding",
     "exit_code",
     "findings",
     "load_evidence",
@@ -38,6 +41,16 @@ POOL_FIX = (
     f"upgrade llama-server to b{FIRST_FIXED_BUILD} or later, or start it with --threads-http above the number of "
     "connections your clients keep open (the default is max(parallel + 4, CPUs - 1)); on the client side, "
     "llama_guard.GuardTransport checks every new connection with GET /health and moves unread ones aside"
+)
+
+#: The page for clients that cannot import llama_guard (another language, a proxy in front of llama-server).
+OTHER_CLIENTS = "docs/other-clients.md"
+#: The finding about what an unguarded client of this machine lost in the pooled load.
+CLIENT_DEFECT = "unguarded-client"
+CLIENT_FIX = (
+    "use llama_guard in the client: httpx.Client(transport=llama_guard.GuardTransport()), llama_guard.guard(client), "
+    "or llama-guard run -- COMMAND for code that builds its own clients; it closes stream connections, fixes "
+    "httpcore's pool race and resends what the server never read"
 )
 
 
@@ -82,7 +95,9 @@ def load_evidence(plain: LoadRow | None, guard: LoadRow | None, shape: LoadShape
             return "sent nothing"
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(row.error_kinds.items()))
         share = f"{row.errors} of {row.requests} ({100 * row.errors / row.requests:.1f}%)"
-        return f"lost {share}" + (f": {kinds}" if kinds else "")
+        stuck = f" and left {row.stuck} stuck (no answer within {row.stuck_after:g} s)" if row.stuck_after else ""
+        stuck = stuck if row.stuck else ""
+        return f"lost {share}" + (f": {kinds}" if kinds else "") + stuck
 
     race = sum(count for kind, count in plain.error_kinds.items() if "Bad file descriptor" in kind)
     note = (
@@ -97,6 +112,71 @@ def load_evidence(plain: LoadRow | None, guard: LoadRow | None, shape: LoadShape
         f"pooled load ({shape.workers} threads sharing {shape.connections} connections, every second request "
         f"streamed): plain httpx {lost(plain)}; the guard {lost(guard)}{note}{void}",
     )
+
+
+def _cause(kind: str) -> str:
+    """Why a plain client lost a request, from its error kind (``send_one``'s ``"Type: message"``)."""
+    text = kind.lower()
+    if "bad file descriptor" in text:
+        return "pool-race"
+    if kind.startswith("HTTP "):
+        return "status"
+    if any(word in text for word in ("disconnected", "reset", "peer closed", "broken pipe", "connection aborted")):
+        return "server-closed"
+    return "other"
+
+
+def client_finding(
+    plain: LoadRow | None, guard: LoadRow | None, *, stream_close: bool, shape: LoadShape
+) -> Finding | None:
+    """What an unguarded pooled client of this machine lost in the pooled load, each loss with its cause; None
+    when the load did not run (``--requests 0``). ``stream_close``: the server was found to close stream
+    connections (defect 1), the cause of the losses to closed connections."""
+    if plain is None or guard is None:
+        return None
+    title = "an unguarded pooled client here loses requests (plain httpx, the pooled load)"
+    load = (
+        f"{shape.workers} threads sharing {shape.connections} connections, every second request streamed, "
+        f"{plain.requests} requests"
+    )
+    if plain.answered == 0:
+        nothing = f"no request of plain httpx's load ({load}) was answered 200, so it shows nothing"
+        return Finding(CLIENT_DEFECT, title, COULD_NOT_TELL, (nothing,), None)
+    if plain.errors == 0 and plain.stuck == 0:
+        clean = f"plain httpx lost none and none was stuck ({load})"
+        return Finding(CLIENT_DEFECT, title, NOT_AFFECTED, (clean,), None)
+    causes: dict[str, list[str]] = {}
+    for kind, count in sorted(plain.error_kinds.items()):
+        causes.setdefault(_cause(kind), []).append(f"{count} {kind}")
+    share = 100 * (plain.errors + plain.stuck) / plain.requests
+    stuck = f" and {plain.stuck} stuck" if plain.stuck else ""
+    evidence = [f"plain httpx lost {plain.errors}{stuck} of {plain.requests} requests ({share:.1f}%; {load})"]
+    if "server-closed" in causes:
+        why = (
+            "the server's stream-close defect (above): a request written to a stream's connection as the server "
+            "closed it"
+            if stream_close
+            else "the server closed a connection the client had kept, as the request was written"
+        )
+        evidence.append(f"{', '.join(causes['server-closed'])}: {why}")
+    if "pool-race" in causes:
+        evidence.append(
+            f"{', '.join(causes['pool-race'])}: not the server: httpcore's own race between threads sharing a pool "
+            "(one thread closes a connection another is given), which the guard's pool fix removes"
+        )
+    if plain.stuck:
+        bound = f"{plain.stuck_after:g} s" if plain.stuck_after is not None else "the timeout"
+        evidence.append(
+            f"{plain.stuck} stuck: no answer within {bound}, while the server answered the others in "
+            f"{_ms(plain.maximum)} at most: a request left waiting on a pooled connection (seen with httpcore's "
+            "pool race under load)"
+        )
+    if "status" in causes:
+        evidence.append(f"{', '.join(causes['status'])}: error answers of the server itself")
+    if "other" in causes:
+        evidence.append(f"{', '.join(causes['other'])}: cause not recognised")
+    evidence.append(f"the guard, same load: {guard.errors} lost, {guard.stuck} stuck of {guard.requests}")
+    return Finding(CLIENT_DEFECT, title, AFFECTED, tuple(evidence), CLIENT_FIX)
 
 
 def stream_finding(check: KeepAliveCheck, load: tuple[str, ...] = ()) -> Finding:
@@ -209,8 +289,9 @@ EXIT_COULD_NOT_TELL = 3
 
 
 def exit_code(found: list[Finding]) -> int:
-    """0: every defect examined and found absent; 1: affected by at least one; 3: none found, but at least one
-    could not be told (a check that got no valid answer is never "not affected")."""
+    """0: every defect examined and found absent; 1: a client here is exposed (the server has a defect, or an
+    unguarded client lost requests); 3: none found, but at least one could not be told (a check that got no valid
+    answer is never "not affected")."""
     if any(item.status == AFFECTED for item in found):
         return 1
     return EXIT_COULD_NOT_TELL if any(item.status == COULD_NOT_TELL for item in found) else 0
