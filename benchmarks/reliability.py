@@ -362,6 +362,14 @@ def _burst(
         sockets = open_burst(server.host, server.port, BURST_CLIENTS)
         transports = [burst_transport([sock], limits=BURST_LIMITS) for sock in sockets]
     clients = [make_client(policy, inner, server.url, httpx.Timeout(10.0)) for inner in transports]
+    return drive_burst(clients, kind, round_index, seconds)
+
+
+def drive_burst(
+    clients: Sequence[httpx.Client], kind: str, round_index: int, seconds: float
+) -> tuple[Block, dict[str, int]]:
+    """Each client sends non-streamed requests back to back for ``seconds`` (all starting together); closes the
+    clients. The block (first response per client) and the guard's counters summed over the clients."""
     outcomes: list[list[Outcome]] = [[] for _ in clients]
     first_responses: list[float | None] = [None] * len(clients)
     barrier = threading.Barrier(len(clients) + 1)
