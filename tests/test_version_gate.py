@@ -3,15 +3,18 @@ still prevents both defects through httpcore's public trace extension."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import types
+from collections.abc import Callable, Iterator
 
 import httpcore
 import httpx
 import pytest
 
 import llama_guard
-from llama_guard import GuardPolicy
+from llama_guard import GuardPolicy, GuardStats
 from llama_guard._core.log import WARN_ONCE
 from llama_guard._httpx import internals
 from llama_guard.testing import LlamaServerEmulator
@@ -68,10 +71,75 @@ def test_an_untested_httpcore_patches_nothing_and_warns_once(
     sync_inner.close()
 
 
-def test_guard_client_refuses_an_untested_httpcore(untested_httpcore: None) -> None:
-    """guard(client) would set the client's private attributes: it says what to do instead."""
-    with httpx.Client() as client, pytest.raises(RuntimeError, match=f"httpcore {UNTESTED}.*transport=llama_guard"):
-        llama_guard.guard(client)
+ENTRY_POINTS = ("GuardTransport", "guard", "install")
+
+
+@contextlib.contextmanager
+def guarded_client(entry_point: str, url: str) -> Iterator[tuple[httpx.Client, Callable[[], GuardStats]]]:
+    """A client guarded by one entry point, and how to read the stats that entry point counts into."""
+    if entry_point == "GuardTransport":
+        transport = llama_guard.GuardTransport()
+        with httpx.Client(base_url=url, transport=transport) as client:
+            yield client, lambda: transport.stats
+    elif entry_point == "guard":
+        with llama_guard.guard(httpx.Client(base_url=url)) as client:
+            yield client, lambda: client._transport.stats
+    else:
+        installation = llama_guard.install(origins=[url])
+        try:
+            with httpx.Client(base_url=url) as client:
+                yield client, lambda: installation.stats
+        finally:
+            llama_guard.uninstall()
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "module"),
+    [
+        pytest.param(entry_point, module, id=f"{entry_point}-{module.__name__}")
+        for entry_point in ENTRY_POINTS
+        for module in (httpcore, httpx)
+        if (entry_point, module) != ("guard", httpx)  # refused: test_guard_client_refuses_an_untested_httpx
+    ],
+)
+def test_one_behaviour_for_an_untested_version(
+    entry_point: str,
+    module: types.ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    racy_server: LlamaServerEmulator,
+) -> None:
+    """GuardTransport, guard() and install() on an untested httpcore or httpx: one warning naming it, the guard on
+    the public path (stats say why), and streams lose nothing. guard() alone refuses an untested httpx, whose
+    private attributes it would set (the next test)."""
+    monkeypatch.setattr(module, "__version__", UNTESTED)
+    monkeypatch.setattr(WARN_ONCE, "_said", set())
+    caplog.set_level(logging.WARNING, logger="llama_guard")
+    with guarded_client(entry_point, racy_server.url) as (client, stats):
+        for index in range(6):
+            body = {"messages": [], "stream": index % 2 == 1, "max_tokens": 2}
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                response.read()
+                assert response.status_code == 200
+                assert isinstance(response.extensions["llama_guard"], llama_guard.GuardResult)
+        snapshot = stats().snapshot()
+    assert f"{module.__name__} {UNTESTED}" in (snapshot.public_path or "")
+    assert snapshot.stream_connections_closed == 3
+    assert racy_server.stats().requests_dropped_after_stream == 0
+    warnings = _gate_warnings(caplog)
+    assert len(warnings) == 1, warnings
+    assert f"{module.__name__} {UNTESTED}" in warnings[0]
+
+
+def test_guard_client_refuses_an_untested_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """guard(client) would set the client's private attributes on an httpx it was not tested with: it says what
+    to do instead, and leaves the client as it was."""
+    monkeypatch.setattr(httpx, "__version__", UNTESTED)
+    with httpx.Client() as client:
+        transport = client._transport
+        with pytest.raises(RuntimeError, match=f"httpx {UNTESTED} is not a version.*transport=llama_guard"):
+            llama_guard.guard(client)
+        assert client._transport is transport
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)

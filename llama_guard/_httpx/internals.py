@@ -6,7 +6,9 @@ below), caps the pool's keep-alive expiry, reads ``Headers._list`` for speed, an
 and ``_mounts`` in `guard()`. None of that is public API: it is done here only, and only for the library
 versions in `TESTED_VERSIONS`. On any other version `untested_versions()` names it, the transports log one
 warning, patch nothing private and follow requests through httpcore's public ``trace`` extension instead, which
-still probes new connections and drops the connection after a stream. Upper pins in ``pyproject.toml`` match.
+still probes new connections and drops the connection after a stream. `guard()` needs only httpx's attributes: it
+works on any httpcore, and refuses an untested httpx (`untested_client_version()`). Upper pins in
+``pyproject.toml`` match.
 
 The httpx2 flavour of this module (``_httpx2/internals.py``) is generated, so it reads httpcore2's and httpx2's
 versions.
@@ -60,14 +62,24 @@ def untested_versions() -> str | None:
 
     Read from the modules' own ``__version__`` at each call (transport construction), so a test can change it."""
     for module in (httpcore, httpx):
-        name, version = module.__name__, module.__version__
-        tested = TESTED_VERSIONS.get(name, frozenset())
-        if version not in tested:
-            return (
-                f"{name} {version} is not a version llama_guard was tested with ({', '.join(sorted(tested))}): "
-                "the guard patches nothing private and follows requests through the public trace extension"
-            )
+        reason = _untested(module)
+        if reason is not None:
+            return f"{reason}: the guard patches nothing private and follows requests through the trace extension"
     return None
+
+
+def untested_client_version() -> str | None:
+    """None when the imported httpx is a version in `TESTED_VERSIONS` (`guard()` may set a client's ``_transport``
+    and ``_mounts``); else why not, naming it. httpcore's version does not matter there."""
+    return _untested(httpx)
+
+
+def _untested(module: types.ModuleType) -> str | None:
+    name, version = module.__name__, module.__version__
+    tested = TESTED_VERSIONS.get(name, frozenset())
+    if version in tested:
+        return None
+    return f"{name} {version} is not a version llama_guard was tested with ({', '.join(sorted(tested))})"
 
 
 def check_versions() -> str | None:

@@ -25,14 +25,16 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
     given. The transports it wraps count into one `GuardStats`: ``llama_guard.stats_of(client)``. httpx offers no
     public way to replace a client's transports, so this sets the client's ``_transport`` and ``_mounts``: only on
-    the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise).
+    the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise). On an untested httpcore it
+    works as `GuardTransport` does there: one warning, and the guard on httpcore's public API.
     """
     guard_class, internals = _guard_class_for(client)
-    untested = internals.untested_versions()
+    untested = internals.untested_client_version()
     if untested is not None:
         raise RuntimeError(
-            f"guard(client) replaces private attributes of the client, and {untested.partition(':')[0]}; "
-            "build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) instead"
+            f"guard(client) replaces the client's private attributes _transport and _mounts, and {untested}; "
+            "build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) instead, "
+            "or call llama_guard.install()"
         )
 
     shared: list[GuardStats] = []  # one account for the client: made with its first guard
