@@ -92,7 +92,8 @@ with the evidence and the fix:
   - its identity and build (GET /props);
   - whether a streamed response announces keep-alive yet closes the connection after the final chunk;
   - whether a non-streamed response keeps the connection as announced;
-  - a short pooled load with plain httpx and with the guard (--requests each; 0 skips it);
+  - a short pooled load with plain httpx and with the guard (--requests each; 0 skips it): what a client
+    here without the guard loses, and why;
   - with --burst N: N connections opened at once, to see whether their first requests are left unread
     (the thread-pool defect of builds before b11737). Off by default: it loads the server.
 It runs a few tiny completions (--max-tokens tokens each) on the server.
@@ -100,8 +101,9 @@ It runs a few tiny completions (--max-tokens tokens each) on the server.
 The URL may be the server's base URL as clients use it (http://HOST:PORT/v1): doctor looks for llama-server
 under its path, then under each shorter path down to the root, and says where it found it.
 
-exit status: 0 every defect examined and found absent, 1 affected by a defect, 2 could not run (bad URL,
-unreachable, no llama-server found, timeout), 3 no defect found but at least one could not be told,
+exit status: 0 every defect examined and found absent and plain httpx lost nothing, 1 a client here is exposed
+(the server has a defect, or plain httpx lost requests in the pooled load), 2 could not run (bad URL,
+unreachable, no llama-server found, timeout), 3 nothing found but at least one verdict could not be told,
 130 interrupted (Ctrl-C).""",
     )
     doctor.add_argument(
