@@ -83,7 +83,7 @@ NETWORK_DOCSTRING: Rules = (
 )
 NETWORK_UNASYNC: Rules = (
     (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
-    (r"\b_AsyncProbeAfterTls\b", "_SyncProbeAfterTls"),
+    (r"\b_AsyncAfterTls\b", "_SyncAfterTls"),
     (r"\b_AsyncCreateConnection\b", "_SyncCreateConnection"),
     (r"\b_AsyncFirstRequest\b", "_SyncFirstRequest"),
     (r"\bAsyncTurn\b", "ThreadTurn"),

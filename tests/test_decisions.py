@@ -298,7 +298,7 @@ def test_a_tracker_fed_by_connection_hooks_assumes_the_worst_after_connecting() 
 
 
 @pytest.mark.parametrize(
-    ("body", "overrides", "deadline", "closes_stream", "hooks_follow", "as_is"),
+    ("body", "overrides", "deadline", "closes_connection", "hooks_follow", "as_is"),
     [
         (b"{}", False, False, False, True, True),  # the usual request: no per-request state
         (None, False, False, False, True, False),  # a one-shot body must be kept for a retry
@@ -309,13 +309,13 @@ def test_a_tracker_fed_by_connection_hooks_assumes_the_worst_after_connecting() 
         (b"", False, False, False, True, True),  # an empty body is a body
     ],
 )
-def test_first_attempt_goes_as_is(body, overrides, deadline, closes_stream, hooks_follow, as_is) -> None:
+def test_first_attempt_goes_as_is(body, overrides, deadline, closes_connection, hooks_follow, as_is) -> None:
     assert (
         first_attempt_goes_as_is(
             body,
             has_overrides=overrides,
             adds_deadline=deadline,
-            closes_stream=closes_stream,
+            closes_connection=closes_connection,
             hooks_follow=hooks_follow,
         )
         is as_is

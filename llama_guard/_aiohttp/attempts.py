@@ -13,6 +13,7 @@ import aiohttp
 import anyio
 from aiohttp.payload import BytesPayload
 
+from .._core.connection_strategy import REUSE_UNDECIDED, ConnectionChoice
 from .._core.decisions import FailureKind, Progress, ProgressTracker, wants_stream
 from .._core.log import without_quoted_values
 from .._core.origins import Origin
@@ -68,9 +69,18 @@ class AiohttpRequest(RequestState):
         body: bytes | None,
         stream: bool,
         started: float,
+        connection: ConnectionChoice = REUSE_UNDECIDED,
     ) -> None:
         super().__init__(
-            _RequestView(request), origin, policy, stats, _no_prober, body=body, stream=stream, started=started
+            _RequestView(request),
+            origin,
+            policy,
+            stats,
+            _no_prober,
+            body=body,
+            stream=stream,
+            started=started,
+            connection=connection,
         )
         self.aiohttp_request = request
         self.deadline_scope: anyio.CancelScope | None = None
@@ -139,7 +149,7 @@ class FirstAttempt:
     from, and builds it when something needs it (`guarded_run`): the connector hooks for a new connection, or the
     middleware on a failure or a 503/429; the run then carries on as if it had been there from the start."""
 
-    __slots__ = ("body", "origin", "policy", "request", "run", "started", "stats", "stream")
+    __slots__ = ("body", "connection", "origin", "policy", "request", "run", "started", "stats", "stream")
 
     def __init__(
         self,
@@ -150,9 +160,10 @@ class FirstAttempt:
         body: bytes,
         stream: bool,
         started: float,
+        connection: ConnectionChoice,
     ) -> None:
         self.request, self.origin, self.policy, self.stats = request, origin, policy, stats
-        self.body, self.stream, self.started = body, stream, started
+        self.body, self.stream, self.started, self.connection = body, stream, started, connection
         self.run: AiohttpRequest | None = None
 
     def guarded_run(self) -> AiohttpRequest:
@@ -166,6 +177,7 @@ class FirstAttempt:
                 body=self.body,
                 stream=self.stream,
                 started=self.started,
+                connection=self.connection,
             )
             run.begin_attempt()  # this attempt, counted; no deadline (a first attempt sent as it is has none)
         return run

@@ -101,6 +101,7 @@ class ProbingHooks(ConnectionHooks):
         run = current_run(request)
         if run is None:
             return  # a request the guard passes through, or another session's inside a guarded attempt
+        run.connection_ready()
         if self._probes(run, request):
             await self._probe(transport, run)
         run.connected()

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import tenacity
 
+from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is, is_streaming_response
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
@@ -30,6 +31,11 @@ from .attempts import CURRENT_ATTEMPT, AiohttpRequest, FirstAttempt, request_bod
 from .internals import drop_after_response, fail_body_on_connection_loss
 
 __all__ = ["GuardMiddleware", "guard_result", "request_options"]
+
+# The stack's name in the counts per origin (stats.by_origin(), llama_guard.metrics).
+STACK = "aiohttp"
+# Origins whose account a guard remembers by the URL's parts (one dict lookup per request); more are looked up.
+MAX_ACCOUNTS = 256
 
 ClientHandler = Any  # aiohttp.ClientHandlerType: ClientRequest -> Awaitable[ClientResponse]
 
@@ -91,6 +97,9 @@ class GuardMiddleware:
         self.policy = policy if policy is not None else GuardPolicy()
         self.stats = stats if stats is not None else GuardStats()
         self.origins = origins if origins is not None else OriginRegistry(self.policy.origins)
+        self._strategies = Strategies(self.policy.connection, self.stats)
+        # Each origin's account in the stats (GuardStats.of_origin), by the URL's (scheme, host, port).
+        self._accounts: dict[tuple[str, str, int | None], GuardStats] = {}
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.policy!r}>"
@@ -105,16 +114,22 @@ class GuardMiddleware:
         overrides = _OPTIONS.get()
         policy = self.policy if overrides is None else self.policy.merged(overrides)
         body, stream = await request_body(request)
+        url = request.url
+        scheme, host, port = url.scheme, url.raw_host or "", url.port
+        stats = self._accounts.get((scheme, host, port)) or self._account(scheme, host, port, origin)
+        connection = self._strategies.choice(scheme, host, port, origin, policy.connection)
         if first_attempt_goes_as_is(
             body,
             has_overrides=overrides is not None,
             adds_deadline=policy.first_byte_timeout is not None,
-            closes_stream=stream and policy.stream_mode == "close",
+            closes_connection=connection.strategy == "close" or (stream and policy.stream_mode == "close"),
         ):
             return await self._first_attempt_as_is(
-                FirstAttempt(request, origin, policy, self.stats, body, stream, started), handler
+                FirstAttempt(request, origin, policy, stats, body, stream, started, connection), handler
             )
-        run = AiohttpRequest(request, origin, policy, self.stats, body=body, stream=stream, started=started)
+        run = AiohttpRequest(
+            request, origin, policy, stats, body=body, stream=stream, started=started, connection=connection
+        )
         if run.close_connection:
             request.headers["Connection"] = "close"
         return await self._guarded(run, handler)
@@ -129,7 +144,7 @@ class GuardMiddleware:
         except Exception as exc:
             failure = exc
         except BaseException:  # cancelled: counted, as any request
-            self.stats.record_request(1, None, False)
+            first.stats.record_request(1, None, False)
             raise
         finally:
             CURRENT_ATTEMPT.reset(token)
@@ -142,12 +157,16 @@ class GuardMiddleware:
         policy = first.policy
         closing = policy.stream_mode != "off" and is_streaming_response(response.headers)
         if closing:
-            closing = self._drop_after_stream(response)
+            closing = self._drop_after_stream(response, first.stats)
             if closing:
                 fail_body_on_connection_loss(response)
         first_byte = time.monotonic() - first.started
-        _RESULTS[response] = new_result((1, 0, first_byte, first.stream, closing, ()))
-        self.stats.record_request(1, first_byte, False)
+        connection = first.connection
+        if not connection.final:
+            url = first.request.url
+            self._strategies.answered(url.scheme, url.raw_host or "", url.port, first_byte)
+        _RESULTS[response] = new_result((1, 0, first_byte, first.stream, closing, (), connection.strategy))
+        first.stats.record_request(1, first_byte, False)
         return response
 
     async def _guarded(
@@ -174,13 +193,13 @@ class GuardMiddleware:
                     response = await self._retry(run, handler, response)
             closing = run.close_connection
             if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
-                closing = self._drop_after_stream(response)
+                closing = self._drop_after_stream(response, run.stats)
             if closing:
                 fail_body_on_connection_loss(response)
             _RESULTS[response] = run.result(closing)
             return response
         finally:
-            self.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
+            run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
 
     async def _retry(
         self, run: AiohttpRequest, handler: ClientHandler, first: aiohttp.ClientResponse | Exception
@@ -249,13 +268,20 @@ class GuardMiddleware:
             and is_streaming_response(response.headers)
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server.
-            self._drop_after_stream(response)
+            self._drop_after_stream(response, self.stats.of_origin(STACK, origin))
         return response
 
-    def _drop_after_stream(self, response: aiohttp.ClientResponse) -> bool:
+    def _account(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
+        """The account of a request's origin in the stats (`GuardStats.of_origin`), remembered by the URL's parts."""
+        account = self.stats.of_origin(STACK, origin if origin is not None else Origin.of(scheme, host, port))
+        if len(self._accounts) < MAX_ACCOUNTS:
+            self._accounts[scheme, host, port] = account
+        return account
+
+    def _drop_after_stream(self, response: aiohttp.ClientResponse, stats: GuardStats) -> bool:
         """llama-server closes a stream's connection right after the final chunk, whatever its headers said: have
         aiohttp close it instead of pooling it."""
         if not drop_after_response(response):
             return False
-        self.stats.add(stream_connections_closed=1)
+        stats.add(stream_connections_closed=1, stream_connections_dropped=1)
         return True

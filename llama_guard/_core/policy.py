@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
+from .connection_strategy import ConnectionMode
 from .origins import Origin, parse_origin
 
 __all__ = ["AdmissionMode", "GuardPolicy", "OriginsSetting", "StreamMode"]
@@ -21,16 +22,24 @@ AdmissionMode: TypeAlias = Literal["after_stall", "always", "off"]
 OriginsSetting: TypeAlias = Literal["all", "auto"] | tuple[Origin, ...]
 
 _STREAM_MODES: tuple[str, ...] = ("close", "drop", "off")
+_CONNECTION_MODES: tuple[str, ...] = ("auto", "close", "reuse")
 _ADMISSION_MODES: tuple[str, ...] = ("after_stall", "always", "off")
 # Fields that describe the transport as a whole; a single request cannot change which servers are llama-server.
 _TRANSPORT_WIDE = frozenset({"origins"})
 
 
-def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bool) -> None:
-    """Reject anything but a finite, non-negative number of seconds (and None where that means 'no limit')."""
+#: The shortest deadline (first byte, probe): event loops and socket timeouts count in milliseconds (epoll and poll
+#: take them so), so a shorter one expires before any answer can come, on every attempt: a request that reached the
+#: server would be sent again up to max_attempts times.
+MIN_DEADLINE = 0.001
+_DEADLINE_REASON = "1 ms, the resolution of event-loop and socket timeouts: a shorter deadline expires on every attempt"
+
+
+def _check_seconds(name: str, value: object, *, allow_none: bool, minimum: float = 0.0) -> None:
+    """Reject anything but a finite number of seconds >= ``minimum`` (and None where that means 'no limit')."""
     if value is None and allow_none:
         return
-    accepted = "a number of seconds " + (">= 0" if allow_zero else "> 0")
+    accepted = f"a number of seconds >= {minimum:g}" + (f" ({_DEADLINE_REASON})" if minimum == MIN_DEADLINE else "")
     if allow_none:
         accepted += ", or None for no limit"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -39,7 +48,7 @@ def _check_seconds(name: str, value: object, *, allow_none: bool, allow_zero: bo
         seconds = float(value)
     except OverflowError:  # an int beyond a float's range
         raise ValueError(f"{name} must be {accepted}; got a number too large for seconds") from None
-    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < minimum:
         raise ValueError(f"{name} must be {accepted}; got {value!r}")
 
 
@@ -56,6 +65,11 @@ def _check_bool(name: str, value: object) -> None:
 def _normalise_origins(value: object) -> OriginsSetting:
     if value in ("all", "auto"):
         return value
+    if isinstance(value, Mapping):  # iterating it would take its keys, silently
+        raise ValueError(
+            f"origins must be a list of origins such as ['http://127.0.0.1:8080'], not a {type(value).__name__}; "
+            f"got {value!r}"
+        )
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         raise ValueError(
             "origins must be 'all' (every origin this transport serves is llama-server), 'auto' "
@@ -84,6 +98,14 @@ class GuardPolicy:
             very first burst of a new process is protected too. ``"auto"``: origins that have answered with
             ``Server: llama.cpp``. Or a list of origins (``"http://127.0.0.1:8080"``). Other traffic passes
             through untouched.
+        connection: how connections to llama-server are used. ``"close"``: every request carries
+            ``Connection: close``, so no connection idles on one of the server's HTTP threads and none can stall;
+            new connections are not probed (a connection serves the one request). ``"reuse"``: keep-alive, every
+            new connection probed (below), stream connections closed. ``"auto"`` (default): ``"close"`` for a
+            loopback address or a Unix socket, where a new connection costs nothing; elsewhere ``"reuse"`` until
+            the cost of a new connection was measured, then ``"close"`` if it is at most 5% of the origin's median
+            request time. The choice and its reason are in ``stats.connection_strategies``, each response's
+            ``GuardResult.connection`` and the log (once per origin).
         stream_mode: ``"close"`` (default) sends ``Connection: close`` on requests whose JSON body asks for
             ``"stream": true`` and drops the connection of every chunked or event-stream response after its final
             chunk. ``"drop"`` only drops, leaving requests unmodified. ``"off"`` does neither.
@@ -133,6 +155,7 @@ class GuardPolicy:
     """
 
     origins: OriginsSetting | Sequence[str | Origin] = "all"
+    connection: ConnectionMode = "auto"
     stream_mode: StreamMode = "close"
     first_byte_timeout: float | None = None
     probe: bool = True
@@ -152,21 +175,25 @@ class GuardPolicy:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "origins", _normalise_origins(self.origins))
+        if self.connection not in _CONNECTION_MODES:
+            raise ValueError(
+                f"connection must be one of {', '.join(map(repr, _CONNECTION_MODES))}; got {self.connection!r}"
+            )
         if self.stream_mode not in _STREAM_MODES:
             raise ValueError(
                 f"stream_mode must be one of {', '.join(map(repr, _STREAM_MODES))}; got {self.stream_mode!r}"
             )
-        _check_seconds("first_byte_timeout", self.first_byte_timeout, allow_none=True, allow_zero=False)
+        _check_seconds("first_byte_timeout", self.first_byte_timeout, allow_none=True, minimum=MIN_DEADLINE)
         _check_bool("probe", self.probe)
-        _check_seconds("probe_timeout", self.probe_timeout, allow_none=False, allow_zero=False)
-        _check_seconds("probe_timeout_max", self.probe_timeout_max, allow_none=False, allow_zero=False)
+        _check_seconds("probe_timeout", self.probe_timeout, allow_none=False, minimum=MIN_DEADLINE)
+        _check_seconds("probe_timeout_max", self.probe_timeout_max, allow_none=False, minimum=MIN_DEADLINE)
         if self.probe_timeout_max < self.probe_timeout:
             raise ValueError(
                 f"probe_timeout_max must be >= probe_timeout ({self.probe_timeout!r}); got {self.probe_timeout_max!r}"
             )
         _check_bool("probe_learning", self.probe_learning)
         _check_bool("probe_kick", self.probe_kick)
-        _check_seconds("probe_timeout_min", self.probe_timeout_min, allow_none=False, allow_zero=False)
+        _check_seconds("probe_timeout_min", self.probe_timeout_min, allow_none=False, minimum=MIN_DEADLINE)
         factor = self.probe_learning_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1000:
             raise ValueError(f"probe_learning_factor must be a number from 1 to 1000; got {factor!r}")
@@ -176,10 +203,10 @@ class GuardPolicy:
                 f"got {self.connect_admission!r}"
             )
         _check_int("max_attempts", self.max_attempts, minimum=1, maximum=100)
-        _check_seconds("max_retry_time", self.max_retry_time, allow_none=True, allow_zero=True)
-        _check_seconds("backoff", self.backoff, allow_none=False, allow_zero=True)
-        _check_seconds("backoff_max", self.backoff_max, allow_none=False, allow_zero=True)
-        _check_seconds("max_retry_after", self.max_retry_after, allow_none=False, allow_zero=True)
+        _check_seconds("max_retry_time", self.max_retry_time, allow_none=True)
+        _check_seconds("backoff", self.backoff, allow_none=False)
+        _check_seconds("backoff_max", self.backoff_max, allow_none=False)
+        _check_seconds("max_retry_after", self.max_retry_after, allow_none=False)
         _check_bool("retry_non_idempotent", self.retry_non_idempotent)
 
     def __repr__(self) -> str:

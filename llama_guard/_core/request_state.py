@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import tenacity
 
+from .connection_strategy import CONNECTION_BOOK, REUSE_UNDECIDED, ConnectionChoice, announce_choice
 from .decisions import (
     FailureKind,
     ProgressTracker,
@@ -93,6 +94,8 @@ class RequestState:
         "book",
         "close_connection",
         "closed_by_header",
+        "connect_started",
+        "connection",
         "deadline_applied",
         "failed_probes",
         "first_byte",
@@ -128,10 +131,13 @@ class RequestState:
         stream: bool,
         started: float,
         book: ProbeBook | None = None,
+        connection: ConnectionChoice = REUSE_UNDECIDED,
+        may_close: bool = True,
     ) -> None:
         """``body``: the request's bytes if held in memory; ``stream``: whether it asks for ``"stream": true``;
         ``started``: when the guard received the request (``time.monotonic()``); ``book``: what the guard knows of
-        probing each origin (default: the process's, `PROBE_BOOK`)."""
+        probing each origin (default: the process's, `PROBE_BOOK`); ``connection``: the origin's connection
+        strategy; ``may_close``: whether ``Connection: close`` may be sent (not where HTTP/2 may carry it)."""
         self.request = request
         self._origin = origin
         self._origin_probes: OriginProbes | None = None
@@ -144,7 +150,10 @@ class RequestState:
         self.prober = prober
         self.body = body
         self.stream = stream
-        self.close_connection = stream and policy.stream_mode == "close"
+        self.connection = connection
+        self.close_connection = may_close and (
+            connection.strategy == "close" or (stream and policy.stream_mode == "close")
+        )
         self.user_extensions = request.extensions
         self.started = started
         self.attempts = 0
@@ -206,7 +215,7 @@ class RequestState:
     @property
     def probing(self) -> bool:
         """New connections of this request's attempts are to be probed."""
-        return self.policy.probe and not self.server_reads_connections
+        return self.policy.probe and not self.server_reads_connections and self.connection.strategy == "reuse"
 
     # -- the connection hooks report here -------------------------------------------------------------------------
 
@@ -220,6 +229,15 @@ class RequestState:
         if tracker is None:
             tracker = self.tracker = ProgressTracker(hooked=True)
         tracker.connecting()
+        self.connect_started = time.monotonic()
+
+    def connection_ready(self) -> None:
+        """The new connection of this attempt is ready for HTTP (connected, and TLS done for https), nothing written
+        yet: what it cost teaches the origin's ``"auto"`` connection strategy while that is measuring."""
+        if not self.connection.final:
+            decided = CONNECTION_BOOK.of(self.origin).connected(time.monotonic() - self.connect_started)
+            if decided is not None:
+                announce_choice(self.origin, decided, self.stats)
 
     def connected(self) -> None:
         """The new connection is up (and probed, when probing): nothing of the request is written to it yet."""
@@ -504,5 +522,25 @@ class RequestState:
     def result(self, connection_closed: bool) -> GuardResult:
         """The guard's account for the response, which has just been handed its headers."""
         self.first_byte = first_byte = time.monotonic() - self.started
-        self.closed_by_header = self.close_connection
-        return new_result((self.attempts, self.reconnects, first_byte, self.stream, connection_closed, self.history))
+        # A stream's connection closed by the header (stats.stream_connections_closed); the close strategy's are not.
+        self.closed_by_header = self.close_connection and self.stream
+        connection = self.connection
+        if not connection.final:
+            self.answered(first_byte)
+        return new_result(
+            (
+                self.attempts,
+                self.reconnects,
+                first_byte,
+                self.stream,
+                connection_closed or self.close_connection,
+                self.history,
+                connection.strategy,
+            )
+        )
+
+    def answered(self, first_byte: float) -> None:
+        """Teach the origin's ``"auto"`` connection strategy a request's time, while it is measuring."""
+        decided = CONNECTION_BOOK.of(self.origin).answered(first_byte)
+        if decided is not None:
+            announce_choice(self.origin, decided, self.stats)

@@ -26,6 +26,9 @@ class GuardResult(NamedTuple):
         connection_closed: the guard asked for this response's connection to be closed (``Connection: close``)
             or will drop it after the final chunk, so it is never reused.
         history: one line per failed attempt: what failed and what the guard decided.
+        connection: the connection strategy the request went out with (`GuardPolicy.connection`): ``"close"``
+            (``Connection: close``: a new connection per request) or ``"reuse"`` (keep-alive, new connections
+            probed); ``stats.connection_strategies`` says why.
     """
 
     attempts: int
@@ -34,9 +37,10 @@ class GuardResult(NamedTuple):
     stream: bool
     connection_closed: bool
     history: tuple[str, ...] = ()
+    connection: str = "reuse"
 
 
 # GuardResult._make without its Python-level checks (built for every request).
-new_result: Callable[[tuple[int, int, float, bool, bool, tuple[str, ...]]], GuardResult] = functools.partial(
+new_result: Callable[[tuple[int, int, float, bool, bool, tuple[str, ...], str]], GuardResult] = functools.partial(
     tuple.__new__, GuardResult
 )

@@ -62,7 +62,8 @@ class LatencyHistogram:
         # Not kept as a counter: recording runs for every request, reading rarely.
         return sum(self._buckets)
 
-    def record(self, seconds: float) -> None:
+    def record(self, seconds: float) -> int:
+        """Count a sample; returns its bucket, for `record_at` in a second histogram."""
         # Once per request, so lean: comparisons rather than max()/min() calls, no sample count.
         if seconds > _MIN_SECONDS:
             index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
@@ -71,6 +72,16 @@ class LatencyHistogram:
         else:  # 10 µs or less (or a clock oddity below zero, counted as zero)
             seconds = max(seconds, 0.0)
             index = 0
+        if seconds > self._max:
+            self._max = seconds
+        self._buckets[index] += 1
+        self._total += seconds
+        return index
+
+    def record_at(self, index: int, seconds: float) -> None:
+        """`record` a sample whose bucket another histogram's `record` returned (one logarithm for both)."""
+        if seconds < 0.0:
+            seconds = 0.0
         if seconds > self._max:
             self._max = seconds
         self._buckets[index] += 1
@@ -166,6 +177,8 @@ class StatsSnapshot:
     # Why a connection whose probe was given up could not be watched for a late answer (the transport gave no
     # socket to duplicate): false alarms then go uncounted. None while every given-up connection was watched.
     late_answers_unseen: str | None = None
+    # The connection strategy in force per origin ("close (a loopback address: ...)"; GuardPolicy.connection).
+    connection_strategies: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
@@ -198,6 +211,7 @@ class StatsSnapshot:
         data["public_path"] = self.public_path
         data["probing_off"] = self.probing_off
         data["late_answers_unseen"] = self.late_answers_unseen
+        data["connection_strategies"] = dict(self.connection_strategies)
         return data
 
 
@@ -215,6 +229,7 @@ class GuardStats:
         self.public_path: str | None = None  # set by a transport that cannot use its hooks; see StatsSnapshot
         self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
         self.late_answers_unseen: str | None = None  # set when a given-up connection cannot be watched; ditto
+        self.connection_strategies: dict[str, str] = {}  # origin -> its connection strategy; see StatsSnapshot
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
         self._by_origin: dict[tuple[str, Origin], GuardStats] = {}
         self.reset()
@@ -310,6 +325,12 @@ class GuardStats:
                 self.probes_failed += 1
                 self.probes_given_up += given_up
 
+    def record_connection_choice(self, origin: str, choice: str) -> None:
+        """The connection strategy of ``origin`` (``GuardPolicy.connection``) is ``choice`` now."""
+        if self.connection_strategies.get(origin) != choice:
+            with self._lock:
+                self.connection_strategies = {**self.connection_strategies, origin: choice}
+
     def record_admission_wait(self, seconds: float) -> None:
         with self._lock:
             self.admission_waits += 1
@@ -341,6 +362,7 @@ class GuardStats:
                 public_path=self.public_path,
                 probing_off=self.probing_off,
                 late_answers_unseen=self.late_answers_unseen,
+                connection_strategies=dict(self.connection_strategies),
             )
 
     def __repr__(self) -> str:

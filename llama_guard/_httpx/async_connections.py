@@ -28,7 +28,13 @@ import httpcore
 from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
 from .._core.turns import AsyncTurn
 from .attempts import AttemptBody
-from .internals import network_backend, remove_instance_method, set_instance_method, set_network_backend
+from .internals import (
+    network_backend,
+    pool_speaks_http1,
+    remove_instance_method,
+    set_instance_method,
+    set_network_backend,
+)
 
 __all__ = ["AsyncGuardedBackend", "track_connections"]
 
@@ -46,7 +52,7 @@ def _wrap_backend(pool: Any) -> None:
     """Wrap the pool's network backend in the guard's, unless it is wrapped already."""
     backend = network_backend(pool)
     if not isinstance(backend, AsyncGuardedBackend):
-        set_network_backend(pool, AsyncGuardedBackend(backend))
+        set_network_backend(pool, AsyncGuardedBackend(backend, http1=pool_speaks_http1(pool)))
 
 
 class _AsyncCreateConnection:
@@ -97,8 +103,10 @@ class _AsyncFirstRequest:
 class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
     """Opens connections through the wrapped backend; probes those opened by a guarded attempt."""
 
-    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+    def __init__(self, backend: httpcore.AsyncNetworkBackend, *, http1: bool = True) -> None:
+        """``http1``: the pool speaks HTTP/1.1 (not HTTP/2 only), so the probe's HTTP/1.1 bytes fit its connections."""
         self._backend = backend
+        self._http1 = http1
 
     async def connect_tcp(
         self,
@@ -108,24 +116,52 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Any = None,
     ) -> httpcore.AsyncNetworkStream:
+        connect = functools.partial(
+            self._backend.connect_tcp,
+            host,
+            port,
+            timeout=timeout,
+            local_address=local_address,
+            socket_options=socket_options,
+        )
         run = CURRENT_ATTEMPT.get()
         if run is None:
-            return await self._backend.connect_tcp(
-                host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-            )
-        run.connecting()
+            return await connect()
         # Probe only a connection to the origin itself: through an HTTP proxy the connection is the proxy's.
-        probing = run.probing and host == run.request.url.host and port == run.origin.port
+        return await self._connect(
+            run, connect, timeout, direct=host == run.request.url.host and port == run.origin.port
+        )
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Any = None
+    ) -> httpcore.AsyncNetworkStream:
+        connect = functools.partial(
+            self._backend.connect_unix_socket, path, timeout=timeout, socket_options=socket_options
+        )
+        run = CURRENT_ATTEMPT.get()
+        if run is None:
+            return await connect()
+        # httpx sends every request of a uds transport, proxies included, straight to the socket.
+        return await self._connect(run, connect, timeout, direct=True)
+
+    async def _connect(
+        self, run: GuardedRequest, connect: Any, timeout: float | None, *, direct: bool
+    ) -> httpcore.AsyncNetworkStream:
+        """A guarded attempt's new connection: opened by ``connect``, timed, and probed when ``direct`` (to the
+        origin itself) and the request probes, unless the pool speaks HTTP/2 only (h2c with prior knowledge)."""
+        run.connecting()
+        probing = direct and run.probing and self._http1
+        https = run.request.url.scheme == "https"
         # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
         # probe comes after httpcore's TLS handshake, outside this call.
-        ticket = await self._admission(run, timeout) if probing and run.request.url.scheme == "http" else None
+        ticket = await self._admission(run, timeout) if probing and not https else None
         try:
-            stream = await self._backend.connect_tcp(
-                host, port, timeout=timeout, local_address=local_address, socket_options=socket_options
-            )
+            stream: httpcore.AsyncNetworkStream = await connect()
+            if https:
+                # The probe, and what the connection cost, wait for the TLS handshake.
+                return _AsyncAfterTls(stream, run, probing=probing)
+            run.connection_ready()
             if probing:
-                if run.request.url.scheme == "https":
-                    return _AsyncProbeAfterTls(stream, run)  # the probe must wait for the TLS handshake
                 await run.probe(stream)  # raises if the probe fails (the stream is then the probe's to close)
         finally:
             if ticket is not None:
@@ -159,34 +195,26 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         run.stats.record_admission_wait(time.monotonic() - started)
         return ticket
 
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Any = None
-    ) -> httpcore.AsyncNetworkStream:
-        run = CURRENT_ATTEMPT.get()
-        if run is not None:
-            run.connecting()
-        stream = await self._backend.connect_unix_socket(path, timeout=timeout, socket_options=socket_options)
-        if run is not None:
-            run.connected()
-        return stream
-
     async def sleep(self, seconds: float) -> None:
         await self._backend.sleep(seconds)
 
 
-class _AsyncProbeAfterTls(httpcore.AsyncNetworkStream):
-    """A new https connection to probe once httpcore has done its TLS handshake; the TLS stream that
-    `start_tls` returns is httpcore's own, not wrapped."""
+class _AsyncAfterTls(httpcore.AsyncNetworkStream):
+    """A new https connection of a guarded attempt, to time and (``probing``) probe once httpcore has done its TLS
+    handshake; the TLS stream that `start_tls` returns is httpcore's own, not wrapped."""
 
-    def __init__(self, stream: httpcore.AsyncNetworkStream, run: GuardedRequest) -> None:
+    def __init__(self, stream: httpcore.AsyncNetworkStream, run: GuardedRequest, *, probing: bool) -> None:
         self._stream = stream
         self._run = run
+        self._probing = probing
 
     async def start_tls(
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.AsyncNetworkStream:
         stream = await self._stream.start_tls(ssl_context, server_hostname, timeout)
-        await self._run.probe(stream)  # skips HTTP/2 connections (ALPN "h2")
+        self._run.connection_ready()
+        if self._probing:
+            await self._run.probe(stream)  # skips HTTP/2 connections (ALPN "h2")
         self._run.connected()
         return stream
 

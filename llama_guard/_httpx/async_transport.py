@@ -14,6 +14,7 @@ import httpcore
 import httpx
 import tenacity
 
+from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is
 from .._core.late_answers import GivenUpWatches, WatchedConnection
 from .._core.log import STALL_LOG, logger
@@ -34,7 +35,9 @@ from .internals import (
     check_versions,
     fix_pool_race,
     hookable_pool,
+    http_versions,
     streaming_check,
+    unix_socket_path,
 )
 from .sockets import shutdown_connection
 
@@ -43,6 +46,10 @@ __all__ = ["AsyncGuardTransport"]
 # llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`): expire ours first, so that the pool
 # never picks a connection at the moment the server closes it.
 DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
+# The stack's name in the counts per origin (stats.by_origin(), llama_guard.metrics): "httpx", or "httpx2" in the twin.
+STACK = httpx.__name__
+# Origins whose account a transport remembers by the URL's parts (one dict lookup per request); more are looked up.
+MAX_ACCOUNTS = 256
 
 
 # Kicks open a bare TCP connection with httpcore's public backend (the pool's own is the caller's to configure).
@@ -115,6 +122,12 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         else:
             self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
         self._hooked = pool is not None
+        # How the wrapped transport connects: through a Unix socket (a new connection costs no round trip), and
+        # whether HTTP/2 may carry a request (no Connection: close there; h2c with prior knowledge: no probe).
+        self._http1, self._http2 = http_versions(self._transport)
+        self._strategies = Strategies(
+            self._policy.connection, self.stats, unix_socket=unix_socket_path(self._transport) is not None
+        )
         self._is_streaming = streaming_check(untested is None)
         self._probe_connection = self._probe
         # Read for every request: plain attributes.
@@ -124,6 +137,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         self._drops_streams = self._policy.stream_mode != "off"
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
+        # Each origin's account in the stats (GuardStats.of_origin), by the URL's (scheme, host, port).
+        self._accounts: dict[tuple[str, str, int | None], GuardStats] = {}
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
         self._reports_trace_events: bool | None = None
@@ -159,11 +174,17 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         policy = self._policy if overrides is None else self._policy.merged(overrides)
         body, stream = request_body(request)
         started = time.monotonic()
+        url = request.url
+        scheme, host, port = url.scheme, url.host, url.port
+        stats = self._accounts.get((scheme, host, port)) or self._account(scheme, host, port, origin)
+        connection = self._strategies.choice(scheme, host, port, origin, policy.connection)
+        may_close = self._may_close(url)
+        closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
         if not first_attempt_goes_as_is(
             body,
             has_overrides=overrides is not None,
             adds_deadline=self._adds_deadline,
-            closes_stream=stream and self._close_streams,
+            closes_connection=closes,
             hooks_follow=self._hooked,
         ):
             # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
@@ -171,20 +192,22 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                 request,
                 origin,
                 policy,
-                self.stats,
+                stats,
                 self._probe_connection,
                 body=body,
                 stream=stream,
                 user_stream=request.stream,
                 started=started,
                 book=self._book,
+                connection=connection,
+                may_close=may_close,
             )
             return await self._guarded(run)
 
         # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
         # (FirstAttempt). Most requests are answered here, on a pooled connection.
         first = FirstAttempt(
-            self.stats, self._probe_connection, self._book, request, origin, policy, body, stream, started
+            stats, self._probe_connection, self._book, request, origin, policy, body, stream, started, connection
         )
         user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
         request.stream = first
@@ -197,7 +220,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             request.stream = user_stream
             if first.run is not None:
                 first.run.end_attempt()
-            self.stats.record_request(1, None, False)
+            stats.record_request(1, None, False)
             raise
         request.stream = user_stream
         if response.status_code in RETRIED_STATUSES:
@@ -206,11 +229,20 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             return await self._guarded(run, response)
         if first.run is not None:  # the connection hooks probed a new connection for this attempt
             first.run.end_attempt()
-        closing = self._drops_streams and self._is_streaming(response.headers) and self._drop_after_stream(response)
+        closing = (
+            self._drops_streams and self._is_streaming(response.headers) and self._drop_after_stream(response, stats)
+        )
         first_byte = time.monotonic() - started
-        response.extensions[EXTENSION] = new_result((1, 0, first_byte, stream, closing, ()))
-        self.stats.record_request(1, first_byte, False)
+        if not connection.final:
+            self._strategies.answered(url.scheme, url.host, url.port, first_byte)
+        response.extensions[EXTENSION] = new_result((1, 0, first_byte, stream, closing, (), connection.strategy))
+        stats.record_request(1, first_byte, False)
         return response
+
+    def _may_close(self, url: httpx.URL) -> bool:
+        """Whether ``Connection: close`` may go on a request to ``url``: not where it may travel on HTTP/2, which
+        forbids the header (an https origin with http2=True, or h2c with prior knowledge)."""
+        return not self._http2 or (self._http1 and url.scheme == "http")
 
     async def _guarded(self, run: RequestRun, first: httpx.Response | Exception | None = None) -> httpx.Response:
         """A request with a `RequestRun`: its attempts, retries, result and counters. ``first``: the outcome of its
@@ -235,7 +267,7 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
                     response = await self._retry(run, response)
             closing = run.close_connection
             if not closing and run.policy.stream_mode != "off" and self._is_streaming(response.headers):
-                closing = self._drop_after_stream(response)
+                closing = self._drop_after_stream(response, run.stats)
             response.extensions[EXTENSION] = run.result(closing)
             return response
         finally:
@@ -409,14 +441,25 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server, so its connection
             # dies after this stream too.
-            self._drop_after_stream(response)
+            self._drop_after_stream(response, self.stats.of_origin(STACK, origin))
         return response
 
-    def _drop_after_stream(self, response: httpx.Response) -> bool:
+    def _account(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
+        """The account of a request's origin in the stats (`GuardStats.of_origin`), remembered by the URL's parts."""
+        account = self.stats.of_origin(STACK, origin if origin is not None else Origin.of(scheme, host, port))
+        if len(self._accounts) < MAX_ACCOUNTS:
+            self._accounts[scheme, host, port] = account
+        return account
+
+    def _drop_after_stream(self, response: httpx.Response, stats: GuardStats) -> bool:
+        if response.extensions.get("http_version", b"HTTP/1.1") != b"HTTP/1.1":
+            # An HTTP/2 connection carries other requests' streams: dropping it would kill them. Whatever speaks
+            # HTTP/2 to us is not llama-server (HTTP/1.1 only), and keeps its connection when a stream ends.
+            return False
         network_stream = response.extensions.get("network_stream")
         if network_stream is None or not isinstance(response.stream, httpx.AsyncByteStream):
             return False
-        response.stream = _AsyncDropAfterStream(response.stream, network_stream, self.stats)
+        response.stream = _AsyncDropAfterStream(response.stream, network_stream, stats)
         return True
 
 
@@ -464,7 +507,7 @@ class _AsyncDropAfterStream(httpx.AsyncByteStream):
     async def aclose(self) -> None:
         try:
             if shutdown_connection(self._network_stream):
-                self._stats.add(stream_connections_closed=1)
+                self._stats.add(stream_connections_closed=1, stream_connections_dropped=1)
                 self._network_stream = None
         finally:
             await self._stream.aclose()

@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 
+from .._core.connection_strategy import REUSE_UNDECIDED, ConnectionChoice
 from .._core.decisions import FailureKind, ProgressTracker, wants_stream
 from .._core.log import without_quoted_values
 from .._core.origin_probes import ProbeBook
@@ -91,7 +92,17 @@ class FirstAttempt(AttemptBody):
     deadline, no ``Connection: close`` to add (see the transport).
     """
 
-    __slots__ = ("_book", "_origin", "_policy", "_prober", "_request", "_started", "_stats", "_wants_stream")
+    __slots__ = (
+        "_book",
+        "_connection",
+        "_origin",
+        "_policy",
+        "_prober",
+        "_request",
+        "_started",
+        "_stats",
+        "_wants_stream",
+    )
 
     def __init__(
         self,
@@ -104,8 +115,10 @@ class FirstAttempt(AttemptBody):
         content: bytes,
         wants_stream: bool,
         started: float,
+        connection: ConnectionChoice,
     ) -> None:
         self.run = None
+        self._connection = connection
         self._content = content
         self._stream = request.stream
         self._stats = stats
@@ -131,6 +144,7 @@ class FirstAttempt(AttemptBody):
                 user_stream=self._stream,
                 started=self._started,
                 book=self._book,
+                connection=self._connection,
             )
             run.adopt_first_attempt(self)
         return run
@@ -177,9 +191,24 @@ class RequestRun(RequestState):
         user_stream: Any,
         started: float,
         book: ProbeBook,
+        connection: ConnectionChoice = REUSE_UNDECIDED,
+        may_close: bool = True,
     ) -> None:
-        """``body``, ``stream``: `request_body(request)`; ``user_stream``: the caller's ``request.stream``."""
-        super().__init__(request, origin, policy, stats, prober, body=body, stream=stream, started=started, book=book)
+        """``body``, ``stream``: `request_body(request)`; ``user_stream``: the caller's ``request.stream``;
+        ``connection``, ``may_close``: as `RequestState`'s."""
+        super().__init__(
+            request,
+            origin,
+            policy,
+            stats,
+            prober,
+            body=body,
+            stream=stream,
+            started=started,
+            book=book,
+            connection=connection,
+            may_close=may_close,
+        )
         self.user_stream = user_stream
 
     def begin_attempt(self, trace: Any) -> httpx.Request:

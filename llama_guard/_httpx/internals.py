@@ -35,10 +35,13 @@ __all__ = [
     "client_transports",
     "fix_pool_race",
     "hookable_pool",
+    "http_versions",
+    "pool_speaks_http1",
     "remove_instance_method",
     "replace_client_transports",
     "set_instance_method",
     "streaming_check",
+    "unix_socket_path",
     "untested_versions",
 ]
 
@@ -96,6 +99,24 @@ def hookable_pool(transport: Any) -> Any:
     if getattr(pool, "_network_backend", None) is None or getattr(pool, "create_connection", None) is None:
         return None
     return pool
+
+
+def unix_socket_path(transport: Any) -> str | None:
+    """The Unix socket an httpx transport connects through (``HTTPTransport(uds=...)``), or None."""
+    path = getattr(getattr(transport, "_pool", None), "_uds", None)
+    return path if isinstance(path, str) else None
+
+
+def http_versions(transport: Any) -> tuple[bool, bool]:
+    """(HTTP/1.1 enabled, HTTP/2 enabled) of an httpx transport's pool; (True, False), httpx's default, when the
+    pool is out of reach."""
+    pool = getattr(transport, "_pool", None)
+    return bool(getattr(pool, "_http1", True)), bool(getattr(pool, "_http2", False))
+
+
+def pool_speaks_http1(pool: Any) -> bool:
+    """False for a pool that speaks HTTP/2 only (``http1=False``: h2c with prior knowledge, or h2 over TLS)."""
+    return bool(getattr(pool, "_http1", True))
 
 
 def network_backend(pool: Any) -> Any:

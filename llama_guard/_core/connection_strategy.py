@@ -1,0 +1,244 @@
+"""The connection strategy of one origin: *close* every connection after its request, or *reuse* connections.
+
+Sans-I/O: adapters report what a new connection cost and how long requests took; this module decides.
+
+Why two strategies. llama-server before b11737 leaves a new keep-alive connection unread while its HTTP threads are
+held by other connections, and an idle keep-alive connection holds one for up to 5 s. ``Connection: close`` on every
+request frees the thread as soon as the response is sent, so nothing idles on the server and no connection stalls:
+measured on b11434, it reaches the fixed server's floor in a burst, where keep-alive with a probe waits for stalled
+connections to be rescued. Its price is a new connection per request: nothing on loopback or a Unix socket, one
+network round trip (more with TLS) elsewhere, where reusing connections and probing new ones pays.
+
+``GuardPolicy(connection=...)``:
+
+- ``"close"``: every request to the origin carries ``Connection: close``; no probe (a connection's only request is
+  the one the probe would protect, and nothing idles to stall it).
+- ``"reuse"``: keep-alive, the probe on new connections, kicks, stream close.
+- ``"auto"`` (default): close for a loopback address or a Unix socket, at once. Elsewhere reuse while measuring;
+  once `MIN_CONNECTS` new connections and `MIN_REQUESTS` requests were seen, close if a new connection costs at
+  most `CLOSE_COST_SHARE` of the origin's median request time, else reuse. The choice is made once per origin and
+  process and said once in the log.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import statistics
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+from .log import logger
+from .origins import Origin
+from .stats import GuardStats
+
+__all__ = [
+    "CLOSE_COST_SHARE",
+    "CONNECTION_BOOK",
+    "REUSE_UNDECIDED",
+    "ConnectionBook",
+    "announce_choice",
+    "MIN_CONNECTS",
+    "MIN_REQUESTS",
+    "ConnectionChoice",
+    "ConnectionMode",
+    "OriginConnections",
+    "Strategies",
+    "Strategy",
+    "is_loopback_host",
+]
+
+ConnectionMode: TypeAlias = Literal["auto", "close", "reuse"]
+Strategy: TypeAlias = Literal["close", "reuse"]
+
+# The measured rule (`"auto"` away from loopback): a new connection costing at most this share of a request's time
+# is cheap enough to pay on every request.
+CLOSE_COST_SHARE = 0.05
+MIN_CONNECTS = 2
+MIN_REQUESTS = 16
+# Samples kept per origin: recent ones, so a changed network is seen (the choice itself is made once).
+_WINDOW = 64
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback (``localhost``, 127.0.0.0/8, ``::1``, IPv4-mapped too)."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionChoice:
+    """The strategy in force for an origin, and why (``reason``, for stats and the log). ``final``: False while
+    ``"auto"`` is still measuring (the strategy is then ``"reuse"``, the safe one for an unknown network)."""
+
+    strategy: Strategy
+    reason: str
+    final: bool = True
+
+    def __str__(self) -> str:
+        return f"{self.strategy} ({self.reason})"
+
+
+FORCED_CLOSE = ConnectionChoice("close", "forced: GuardPolicy(connection='close')")
+FORCED_REUSE = ConnectionChoice("reuse", "forced: GuardPolicy(connection='reuse')")
+UNIX_SOCKET = ConnectionChoice("close", "a Unix socket: a new connection costs no network round trip")
+LOOPBACK = ConnectionChoice("close", "a loopback address: a new connection costs no network round trip")
+# What a request gets when no strategy was worked out for it (a transport that does not choose: reuse, as before).
+REUSE_UNDECIDED = ConnectionChoice("reuse", "not chosen", final=False)
+
+
+class OriginConnections:
+    """What the guard measured of one origin's connections, and the ``"auto"`` choice made from it. Thread-safe."""
+
+    __slots__ = ("_announced", "_choice", "_connects", "_lock", "_requests", "origin")
+
+    def __init__(self, origin: Origin) -> None:
+        self.origin = origin
+        self._lock = threading.Lock()
+        self._connects: deque[float] = deque(maxlen=_WINDOW)
+        self._requests: deque[float] = deque(maxlen=_WINDOW)
+        self._choice: ConnectionChoice | None = None
+        self._announced: set[ConnectionChoice] = set()
+
+    def first_announcement(self, choice: ConnectionChoice) -> bool:
+        """True the first time ``choice`` is announced for this origin (the log says each choice once)."""
+        if choice in self._announced:
+            return False
+        with self._lock:
+            if choice in self._announced:
+                return False
+            self._announced.add(choice)
+            return True
+
+    def choice(self, mode: ConnectionMode, *, unix_socket: bool = False) -> ConnectionChoice:
+        """The strategy for a request in ``mode`` (the policy's ``connection``), through a Unix socket or not."""
+        if mode == "close":
+            return FORCED_CLOSE
+        if mode == "reuse":
+            return FORCED_REUSE
+        if unix_socket:
+            return UNIX_SOCKET
+        choice = self._choice
+        if choice is not None:
+            return choice
+        if is_loopback_host(self.origin.host):
+            self._choice = LOOPBACK
+            return LOOPBACK
+        return self._measuring()
+
+    def _measuring(self) -> ConnectionChoice:
+        with self._lock:
+            connects, requests = len(self._connects), len(self._requests)
+        return ConnectionChoice(
+            "reuse",
+            f"measuring the cost of a new connection: {connects} of {MIN_CONNECTS} connections, "
+            f"{requests} of {MIN_REQUESTS} requests seen",
+            final=False,
+        )
+
+    def connected(self, seconds: float) -> ConnectionChoice | None:
+        """A new connection to the origin took ``seconds`` to be ready for HTTP (connect, and TLS for https); the
+        choice if this sample made it (to be said once), else None."""
+        with self._lock:
+            self._connects.append(seconds)
+            return self._decide()
+
+    def answered(self, seconds: float) -> ConnectionChoice | None:
+        """A request to the origin had its response headers ``seconds`` after it was written; as `connected`."""
+        if self._choice is not None:
+            return None  # decided: the hot path takes no lock
+        with self._lock:
+            self._requests.append(seconds)
+            return self._decide()
+
+    def _decide(self) -> ConnectionChoice | None:
+        if self._choice is not None or len(self._connects) < MIN_CONNECTS or len(self._requests) < MIN_REQUESTS:
+            return None
+        cost = statistics.median(self._connects)
+        request = statistics.median(self._requests)
+        share = cost / request if request > 0 else float("inf")
+        measured = (
+            f"a new connection costs {cost * 1000:.1f} ms, {share:.0%} of the median request's "
+            f"{request * 1000:.1f} ms (close at most {CLOSE_COST_SHARE:.0%})"
+        )
+        strategy: Strategy = "close" if share <= CLOSE_COST_SHARE else "reuse"
+        self._choice = ConnectionChoice(strategy, f"measured: {measured}")
+        return self._choice
+
+
+class ConnectionBook:
+    """`OriginConnections` per origin (loopback spellings of one server share one)."""
+
+    def __init__(self) -> None:
+        self._origins: dict[Origin, OriginConnections] = {}
+        self._lock = threading.Lock()
+
+    def of(self, origin: Origin) -> OriginConnections:
+        key = origin.same_server_key()
+        connections = self._origins.get(key)
+        if connections is None:
+            with self._lock:
+                connections = self._origins.setdefault(key, OriginConnections(origin))
+        return connections
+
+    def forget(self) -> None:
+        """Drop everything measured (tests)."""
+        with self._lock:
+            self._origins.clear()
+
+
+#: The process's: what a new connection to an origin costs is the network's, whichever client measured it.
+CONNECTION_BOOK = ConnectionBook()
+
+
+def announce_choice(origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
+    """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
+    stats.record_connection_choice(str(origin), str(choice))
+    if choice.final and CONNECTION_BOOK.of(origin).first_announcement(choice):
+        logger.info("llama_guard: connections to %s: %s", origin, choice)
+
+
+class Strategies:
+    """One transport's (or session's) connection strategies: the final choice of each origin, kept per
+    (scheme, host, port) as its HTTP library spells them, so the usual request pays one dict lookup."""
+
+    __slots__ = ("_chosen", "_mode", "_stats", "unix_socket")
+
+    def __init__(self, mode: ConnectionMode, stats: GuardStats, *, unix_socket: bool = False) -> None:
+        """``mode``: the transport policy's ``connection``; ``unix_socket``: the transport connects through one."""
+        self._mode = mode
+        self._stats = stats
+        self.unix_socket = unix_socket
+        self._chosen: dict[tuple[str, str, int | None], ConnectionChoice] = {}
+
+    def choice(
+        self, scheme: str, host: str, port: int | None, origin: Origin | None, mode: ConnectionMode
+    ) -> ConnectionChoice:
+        """The strategy for a request (``mode``: its policy's, which a request may override)."""
+        key = (scheme, host, port)
+        if mode == self._mode:
+            choice = self._chosen.get(key)
+            if choice is not None:
+                return choice
+        origin = origin if origin is not None else Origin.of(scheme, host, port)
+        choice = CONNECTION_BOOK.of(origin).choice(mode, unix_socket=self.unix_socket)
+        announce_choice(origin, choice, self._stats)
+        if choice.final and mode == self._mode:
+            self._chosen[key] = choice
+        return choice
+
+    def answered(self, scheme: str, host: str, port: int | None, first_byte: float) -> None:
+        """A request answered at its first attempt while its origin's strategy is being measured."""
+        origin = Origin.of(scheme, host, port)
+        decided = CONNECTION_BOOK.of(origin).answered(first_byte)
+        if decided is not None:
+            announce_choice(origin, decided, self._stats)
