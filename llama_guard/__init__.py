@@ -45,9 +45,14 @@ __all__ = [
     "uninstall",
 ]
 
-# Public classes present themselves as llama_guard.X (in reprs, tracebacks and docs), as httpx's do.
-for _name in __all__:
-    _value = globals()[_name]
-    if isinstance(_value, type):
-        _value.__module__ = "llama_guard"
-del _name, _value
+
+def _present_as_public(namespace: dict[str, object]) -> None:
+    """Public classes present themselves as llama_guard.X (in reprs, tracebacks and docs), as httpx's do."""
+    for name in __all__:
+        value = namespace[name]
+        if isinstance(value, type):
+            value.__module__ = "llama_guard"
+
+
+_present_as_public(globals())
+del _present_as_public  # leaves no module attribute behind
