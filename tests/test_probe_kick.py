@@ -41,8 +41,10 @@ CLIENTS = [pytest.param(flavor, "httpx", id=flavor) for flavor in FLAVORS] + [
 ]
 # The probe waits long enough that only a stall, never a slow machine, can reach the deadline; the learnt deadline
 # (from the served connections' answers, at least 0.05 s) is when the kicks go. Kicks are the default.
-KICKING = GuardPolicy(probe_timeout=5.0, probe_timeout_max=5.0)
-NOT_KICKING = GuardPolicy(probe_kick=False, probe_timeout=5.0, probe_timeout_max=5.0)
+# connection="reuse": the emulator is on loopback, where the default closes connections and probes none; kicks are
+# part of the probe of new keep-alive connections.
+KICKING = GuardPolicy(connection="reuse", probe_timeout=5.0, probe_timeout_max=5.0)
+NOT_KICKING = GuardPolicy(connection="reuse", probe_kick=False, probe_timeout=5.0, probe_timeout_max=5.0)
 
 
 @pytest.fixture(params=[True, False], ids=["oldest-first", "served-at-once"])
@@ -200,7 +202,7 @@ def test_kicks_go_before_anything_is_learnt(flavor: str, library: str) -> None:
     """A burst whose served connections are too few to learn a deadline from (2 pool threads: 2 answers, 4 needed)
     still kicks, at a quarter and half of ``probe_timeout``: every stalled connection is rescued, none given up."""
     threads, size = 2, 8
-    policy = GuardPolicy(probe_timeout=2.0, probe_timeout_max=2.0)
+    policy = GuardPolicy(connection="reuse", probe_timeout=2.0, probe_timeout_max=2.0)
     with LlamaServerEmulator(http_threads=threads, stall_burst=size, stall_oldest_first=True) as server:
         drivers = run_scenario(
             flavor, functools.partial(burst, policy=policy, size=size), flavor, library, server.url, server.port
