@@ -14,9 +14,10 @@ import threading
 import time
 from collections.abc import Iterator
 
+import httpcore
 import pytest
 
-from llama_guard.testing import DelayRelay, DelayRelayProcess
+from llama_guard.testing import ConnectDelayBackend, DelayRelay, DelayRelayProcess
 
 DELAY = 0.020  # one way: a 40 ms round trip, far above this machine's loopback and scheduling noise
 # Late is what a loaded 2-core machine adds (scheduling); early would mean the delay is not applied.
@@ -352,3 +353,22 @@ def test_relay_in_a_child_process(upstream: Upstream) -> None:
             rtt = statistics.median(round_trip(s) for _ in range(5))
     assert 2 * DELAY - EARLY <= rtt <= 2 * DELAY + LATE
     assert process.returncode == 0
+
+
+@pytest.mark.parametrize("seconds", [2 * DELAY, 0.0])
+def test_connect_delay_backend_spends_a_round_trip_in_connect(upstream: Upstream, seconds: float) -> None:
+    """ConnectDelayBackend: the connect itself takes the round trip (where a client times it), the stream then
+    carries bytes at loopback speed; with 0 s it is loopback's connect (control)."""
+    backend = ConnectDelayBackend(seconds, httpcore.SyncBackend())
+    started = time.monotonic()
+    stream = backend.connect_tcp("127.0.0.1", upstream.port, timeout=5)
+    connected = time.monotonic() - started
+    try:
+        stream.write(b"ping", timeout=5)
+        assert stream.read(100, timeout=5) == b"ping"
+    finally:
+        stream.close()
+    if seconds:
+        assert seconds - EARLY <= connected <= seconds + LATE
+    else:
+        assert connected < 2 * DELAY - EARLY

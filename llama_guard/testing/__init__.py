@@ -30,7 +30,7 @@ servers share a port, call :func:`reset_probe_learning`.
 
 from ._burst import AsyncPreopenedBackend, PreopenedBackend, async_burst_transport, burst_transport, open_burst
 from ._config import EmulatorConfig
-from ._delay_relay import DelayRelay, DelayRelayProcess, RelayStats
+from ._delay_relay import ConnectDelayBackend, DelayRelay, DelayRelayProcess, RelayStats
 from ._emulator import HeldConnection, LlamaServerEmulator
 from ._faults import Fault, FaultRule
 from ._probe_learning import reset_probe_learning
@@ -52,6 +52,7 @@ __all__ = [
     "burst_transport",
     "open_burst",
     "ConnectionWait",
+    "ConnectDelayBackend",
     "DelayRelay",
     "DelayRelayProcess",
     "RelayStats",

@@ -22,7 +22,7 @@ Example::
 
 The relay runs an asyncio event loop in a thread of its own. In a process that is busy with many client threads,
 the interpreter's lock delays that thread too; `DelayRelayProcess` runs the same relay in a child process
-(``python -m llama_guard.testing._delay_relay``), as the benchmarks do.
+(its ``main()``), as the benchmarks do.
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ import struct
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 
-__all__ = ["DelayRelay", "DelayRelayProcess", "RelayStats"]
+import httpcore
+
+__all__ = ["ConnectDelayBackend", "DelayRelay", "DelayRelayProcess", "RelayStats"]
 
 _EOF = object()  # a half-close, delivered in order after the bytes before it
 _RESET = object()  # the other side went away abnormally: reset this one
@@ -123,7 +127,11 @@ class _Pipe:
             elif item is _EOF:
                 self.ended = True
                 if not sink.is_closing() and sink.can_write_eof():
-                    sink.write_eof()
+                    try:
+                        sink.write_eof()
+                    except OSError:  # the sink's peer has gone (reset): nothing more can pass
+                        self.pair.reset()
+                        return
                 self.pair.maybe_finish()
             else:  # _RESET
                 self.ended = True
@@ -424,6 +432,40 @@ class _Accepted(_Side):
         self.pair.client_made(transport)
 
 
+class ConnectDelayBackend(httpcore.NetworkBackend):
+    """An httpcore network backend whose TCP connects take a round trip (``seconds``), as on a network: half of it
+    before the connect, half after. Through a relay the kernel completes a client's connect at once, so a client
+    that times its connects (the guard's ``connection="auto"``) would see a new connection as free; give its
+    transport this backend and the relay ``handshake=False``, and the round trip is spent where a network spends
+    it. Wraps ``backend`` (httpcore's own by default; a pre-opened burst's backend too: its connections then cost
+    the round trip when a client takes one, as if it had connected then)."""
+
+    def __init__(self, seconds: float, backend: httpcore.NetworkBackend | None = None) -> None:
+        self.seconds = seconds
+        self._backend = backend or httpcore.SyncBackend()
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        time.sleep(self.seconds / 2)
+        stream = self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        time.sleep(self.seconds / 2)
+        return stream
+
+    def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.NetworkStream:
+        return self._backend.connect_unix_socket(path, timeout, socket_options)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 class DelayRelayProcess:
     """The same relay in a child process, so it keeps its timing beside a busy client process.
 
@@ -453,8 +495,8 @@ class DelayRelayProcess:
     def start(self) -> DelayRelayProcess:
         command = [
             sys.executable,
-            "-m",
-            "llama_guard.testing._delay_relay",
+            "-c",
+            "import sys; from llama_guard.testing._delay_relay import main; sys.exit(main(sys.argv[1:]))",
             "--upstream",
             f"{self.upstream[0]}:{self.upstream[1]}",
             "--delay",
