@@ -3,7 +3,10 @@ stall episode. The core as tables of cases; the whole on the emulator, over real
 
 The tests of a probe given up at the learnt deadline run with ``probe_kick=False``: with kicks (the default) the
 learnt deadline is when the first kick goes, and the probe is given up at ``probe_timeout``
-(tests/test_probe_kick.py)."""
+(tests/test_probe_kick.py).
+
+The tests on the emulator pin ``connection="reuse"``: it listens on loopback, where the default closes every
+connection and probes none; the probe belongs to keep-alive connections."""
 
 from __future__ import annotations
 
@@ -257,7 +260,7 @@ def test_reset_probe_learning_forgets_every_origin() -> None:
 def test_learnt_deadline_converges_and_catches_a_stall_sooner(flavor: str) -> None:
     """After 4 answers the deadline in force is learnt, below the configured one; a connection the server never
     reads is then given up at the learnt deadline (its ProbeTimeout names it) and replaced."""
-    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)
+    policy = GuardPolicy(connection="reuse", probe_timeout=3.0, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         assert probes.deadline(policy) == 3.0
@@ -282,7 +285,7 @@ def test_learnt_deadline_converges_and_catches_a_stall_sooner(flavor: str) -> No
 def test_slow_health_answers_raise_no_false_alarm(flavor: str) -> None:
     """A server that reads every new connection 150 ms late (busy): the deadline is learnt from those answers,
     and no probe is given up on a connection the server serves."""
-    policy = GuardPolicy(probe_timeout=2.0)
+    policy = GuardPolicy(connection="reuse", probe_timeout=2.0)
     with LlamaServerEmulator(pool_bug=False) as server:
         server.inject(Fault.READ_LATE, after=0.15, count=None)
         drivers = run_scenario(flavor, new_connections, flavor, server.url, policy, 10)
@@ -299,7 +302,7 @@ def test_deadline_follows_rising_load(flavor: str) -> None:
     """Learnt on a fast server, then the server turns slow (every /health read 0.3 s after the learnt deadline):
     the first probe after the change is given up (the deadline in force was shorter), the deadline rises from the
     answers of the request's further probes, and probes stop being given up."""
-    policy = GuardPolicy(probe_timeout=3.0, backoff=0.01, max_attempts=8, probe_kick=False)
+    policy = GuardPolicy(connection="reuse", probe_timeout=3.0, backoff=0.01, max_attempts=8, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         run_scenario(flavor, new_connections, flavor, server.url, policy, LEARN_AFTER)
@@ -335,7 +338,7 @@ async def given_up_then_answered(flavor: str, server: LlamaServerEmulator, polic
 def test_probe_answered_late_is_counted_and_raises_the_deadline(flavor: str) -> None:
     """A probe given up on a connection that the server then serves: counted in probes_answered_late, and the
     deadline rises above that answer's latency."""
-    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)
+    policy = GuardPolicy(connection="reuse", probe_timeout=3.0, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         run_scenario(flavor, new_connections, flavor, server.url, policy, LEARN_AFTER)
@@ -503,7 +506,7 @@ def test_admission_opens_lazy_connections_one_at_a_time(flavor: str) -> None:
     the turn (none is opened meanwhile), then are opened and probed one at a time, each woken by the one before
     it; every wait is counted."""
     # The floor keeps a healthy probe on a busy machine (the emulator shares the test's GIL) from being given up.
-    policy = GuardPolicy(connect_admission="always", probe_timeout=3.0, probe_timeout_min=0.5)
+    policy = GuardPolicy(connection="reuse", connect_admission="always", probe_timeout=3.0, probe_timeout_min=0.5)
     clients = 16
     counter = OpenCounter()
     with LlamaServerEmulator(pool_bug=False) as server:
@@ -542,7 +545,7 @@ async def one_request(flavor: str, url: str, policy: GuardPolicy, timeout: float
 def test_admission_wait_is_bounded_by_the_connect_timeout(flavor: str) -> None:
     """A connection waiting for its turn waits no longer than the caller's connect timeout: ConnectTimeout naming
     the admission while the turn is still held, its place given up, no connection opened."""
-    policy = GuardPolicy(connect_admission="always", max_attempts=1)
+    policy = GuardPolicy(connection="reuse", connect_admission="always", max_attempts=1)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         held = HeldTurn(probes)
@@ -569,7 +572,7 @@ def test_reconnects_after_a_stall_are_admitted_in_turn(flavor: str, stalling_ser
     stalled = clients - served
     # A floor above a busy machine's answer time (the emulator shares the test's GIL): no healthy connection is given
     # up, so the counts are exact. Replaced, not rescued by kicks (the default, tests/test_probe_kick.py).
-    policy = GuardPolicy(probe_timeout_min=0.5, probe_kick=False)
+    policy = GuardPolicy(connection="reuse", probe_timeout_min=0.5, probe_kick=False)
     guarded = functools.partial(burst, timeout=30.0, policy=policy)
     drivers = run_scenario(flavor, guarded, flavor, server.url, server.port, True, clients)
     stats = server.stats()
@@ -608,7 +611,7 @@ def test_one_warning_per_stall_episode(
     caplog.clear()
     server = stalling_server
     clients = server.config.stall_burst or 0
-    replacing = GuardPolicy(probe_kick=False)  # rescues by kicks: tests/test_probe_kick.py
+    replacing = GuardPolicy(connection="reuse", probe_kick=False)  # rescues by kicks: tests/test_probe_kick.py
     drivers = run_scenario(
         flavor, functools.partial(burst, timeout=30.0, policy=replacing), flavor, server.url, server.port, True, clients
     )
