@@ -367,6 +367,10 @@ def cell_rows(results: Sequence[Result], kinds: Sequence[str]) -> list[list[str]
         for r in mine:
             strategies.update(r.strategies)
         choice = ", ".join(f"{name} {n}" for name, n in sorted(strategies.items())) or "-"
+        guard: collections.Counter[str] = collections.Counter()
+        for r in mine:
+            guard.update(r.block.guard)
+        probes = f"{guard['probes_given_up']} of {guard['probes']}" if kind in GUARD_POLICIES else "-"
         rows.append(
             [
                 kind,
@@ -377,6 +381,7 @@ def cell_rows(results: Sequence[Result], kinds: Sequence[str]) -> list[list[str]
                 seconds_or_stuck(median(slowest))
                 + (f" (max {seconds_or_stuck(max(slowest))})" if len(slowest) > 1 else ""),
                 choice,
+                probes,
             ]
         )
     return rows
@@ -386,7 +391,16 @@ def seconds_or_stuck(seconds: float) -> str:
     return "stuck" if math.isinf(seconds) else fmt_seconds(seconds)
 
 
-HEADERS = ["client", "ok req/s", "lost", "stuck", "run twice", "slowest 1st response", "guard's choice (responses)"]
+HEADERS = [
+    "client",
+    "ok req/s",
+    "lost",
+    "stuck",
+    "run twice",
+    "slowest 1st response",
+    "guard's choice (responses)",
+    "probes given up",
+]
 
 
 def checks(results: Sequence[Result], scenario: str, trip: str) -> list[str]:
@@ -427,20 +441,24 @@ def checks(results: Sequence[Result], scenario: str, trip: str) -> list[str]:
 
 
 def floor_check(results: Sequence[Result]) -> list[str]:
-    """Issue 22's second target: at loopback in the burst, the guard's default within the fixed pool's plain floor
-    + 0.05 s, paired by run."""
+    """Issue 22's second and third targets, at loopback in the burst, paired by run: the guard's default within the
+    fixed pool's plain floor + 0.05 s; forced reuse within the floor + 0.3 s (on the broken pool here: the target
+    also asks for 0 probes given up on the fixed pool, which this script does not run)."""
     cell = [r for r in results if r.scenario == "burst" and r.trip == "loopback"]
     fixed = {r.run: r.slowest for r in cell if r.kind == FIXED}
-    pairs = [(r.slowest, fixed[r.run]) for r in cell if r.kind == GUARD and r.run in fixed]
-    if not pairs:
-        return []
-    within = sum(own <= floor + 0.05 for own, floor in pairs)
-    text = ", ".join(f"{seconds_or_stuck(own)} vs {seconds_or_stuck(floor)}" for own, floor in pairs)
-    needed = max(1, math.ceil(0.8 * len(pairs)))
-    return [
-        f"  [{'met' if within >= needed else 'MISSED'}] burst, loopback: guard default within the fixed pool's "
-        f"plain floor + 0.05 s in {within} of {len(pairs)} paired runs (at least 4 of 5): {text}"
-    ]
+    lines = []
+    for kind, margin in ((GUARD, 0.05), (GUARD_REUSE, 0.3)):
+        pairs = [(r.slowest, fixed[r.run]) for r in cell if r.kind == kind and r.run in fixed]
+        if not pairs:
+            continue
+        within = sum(own <= floor + margin for own, floor in pairs)
+        text = ", ".join(f"{seconds_or_stuck(own)} vs {seconds_or_stuck(floor)}" for own, floor in pairs)
+        needed = max(1, math.ceil(0.8 * len(pairs)))
+        lines.append(
+            f"  [{'met' if within >= needed else 'MISSED'}] burst, loopback: {kind} within the fixed pool's plain "
+            f"floor + {margin:g} s in {within} of {len(pairs)} paired runs (4 of 5 needed): {text}"
+        )
+    return lines
 
 
 def plot(results: Sequence[Result], scenario: str, trips: Sequence[str], path: Path, condition: str, cap: float) -> str:
