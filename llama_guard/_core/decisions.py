@@ -35,6 +35,7 @@ __all__ = [
     "Verdict",
     "classify_request",
     "first_attempt_goes_as_is",
+    "PROBE_LOADING",
     "is_inference_path",
     "is_streaming_response",
     "parse_retry_after",
@@ -254,6 +255,8 @@ class Verdict:
     # be spread over a wide random window, or they reach the server as a new burst and stall again.
     stall: bool = False
     status: bool = False  # a retried 503/429 response (rather than a failed connection)
+    # llama-server unavailable (503: loading a model): waited for up to max_loading_wait, spending no attempt.
+    loading: bool = False
 
 
 def verdict_for_failure(
@@ -328,5 +331,14 @@ def verdict_for_status(
         return Verdict(False, f"{status} for a request that may not be sent twice")
     if retry_after is not None and retry_after > max_retry_after:
         return Verdict(False, f"Retry-After {retry_after:g} s is longer than max_retry_after {max_retry_after:g} s")
-    reason = "server loading or overloaded (503)" if status == 503 else "rate limited (429)"
-    return Verdict(True, reason, delay=retry_after, status=True)
+    if status == 503:
+        return Verdict(
+            True, "server loading a model or unavailable (503)", delay=retry_after, status=True, loading=True
+        )
+    return Verdict(True, "rate limited (429)", delay=retry_after, status=True)
+
+
+#: The verdict on a new connection whose probe llama-server answered 503 (loading a model) and then closed.
+PROBE_LOADING = Verdict(
+    True, "the server is loading a model (GET /health answered 503; nothing real was sent)", status=True, loading=True
+)

@@ -14,6 +14,7 @@ import tenacity
 
 from .connection_strategy import CONNECTION_BOOK, REUSE_UNDECIDED, ConnectionChoice, announce_choice
 from .decisions import (
+    PROBE_LOADING,
     FailureKind,
     ProgressTracker,
     RequestKind,
@@ -100,13 +101,17 @@ class RequestState:
         "failed_probes",
         "first_byte",
         "history",
+        "loading_attempts",
+        "loading_since",
         "policy",
         "probe_deadline_used",
         "probe_kicks",
+        "probe_loading",
         "probe_number",
         "prober",
         "reconnects",
         "request",
+        "retry_clock",
         "server_reads_connections",
         "started",
         "stats",
@@ -160,6 +165,13 @@ class RequestState:
         self.reconnects = 0
         self.failed_probes = 0
         self.server_reads_connections = False  # a probe got an HTTP answer: later attempts need no probe
+        # The wait for a loading server (max_loading_wait): attempts that found it loading, since when it is loading
+        # (None while it is not), whether the last probe was answered 503, and where max_retry_time counts from
+        # (moved on by the time spent waiting for the server to load).
+        self.loading_attempts = 0
+        self.loading_since: float | None = None
+        self.probe_loading = False
+        self.retry_clock = started
         self.history: tuple[str, ...] = ()
         self.verdict: Verdict | None = None
         self.deadline_applied = False
@@ -391,6 +403,7 @@ class RequestState:
         # probe after probe.
         self.server_reads_connections = True
         if not 200 <= status < 300:
+            self.probe_loading = status == 503
             return False
         logger.warning(
             "%s closes connections after GET /health, so new connections cannot be probed; "
@@ -405,14 +418,19 @@ class RequestState:
         tracker = self.tracker if self.tracker is not None else ProgressTracker(hooked=True)  # a pooled connection
         self.stats.add_error(error_name)
         progress = tracker.effective_progress()
-        self.verdict = verdict_for_failure(
-            kind,
-            progress=progress,
-            reused_connection=tracker.reused_connection,
-            body_started=tracker.body_started,
-            request=self.kind,
-            retry_non_idempotent=self.policy.retry_non_idempotent,
-        )
+        if kind is FailureKind.PROBE and self.probe_loading:
+            self.probe_loading = False
+            self.verdict = PROBE_LOADING
+        else:
+            self.verdict = verdict_for_failure(
+                kind,
+                progress=progress,
+                reused_connection=tracker.reused_connection,
+                body_started=tracker.body_started,
+                request=self.kind,
+                retry_non_idempotent=self.policy.retry_non_idempotent,
+            )
+        self._follow_loading()
         where = "a reused" if tracker.reused_connection else "a new" if tracker.new_connection else "no"
         self.history += (
             f"attempt {self.attempts}: {error_name} on {where} connection "
@@ -444,6 +462,7 @@ class RequestState:
             if not length.isdigit() or int(length) > MAX_RETRIED_ERROR_BODY:
                 verdict = Verdict(False, f"{status} with a body that is not a short error")
         self.verdict = verdict
+        self._follow_loading()
         if verdict is None:
             return False
         self.history += (f"attempt {self.attempts}: HTTP {status}: {verdict.reason}",)
@@ -451,16 +470,35 @@ class RequestState:
 
     # -- the retry schedule (tenacity hooks) -----------------------------------------------------------------------
 
+    def _follow_loading(self) -> None:
+        """After a verdict: start or end the wait for a loading server. The time it lasted moves the clock of
+        max_retry_time on, and each attempt that found the server loading is not one of max_attempts."""
+        verdict = self.verdict
+        now = time.monotonic()
+        if verdict is not None and verdict.loading and verdict.retry:
+            self.loading_attempts += 1
+            if self.loading_since is None:
+                self.loading_since = now
+        elif self.loading_since is not None:
+            self.retry_clock += now - self.loading_since
+            self.loading_since = None
+
+    def _stop(self, state: tenacity.RetryCallState) -> bool:
+        """tenacity's stop condition: a loading server is waited for up to max_loading_wait; any other retry is
+        bounded by max_attempts (attempts that found the server loading aside) and max_retry_time."""
+        policy = self.policy
+        now = time.monotonic()
+        upcoming = state.upcoming_sleep or 0.0
+        if self.loading_since is not None:
+            return now + upcoming - self.loading_since >= policy.max_loading_wait
+        if self.attempts - self.loading_attempts >= policy.max_attempts:
+            return True
+        return policy.max_retry_time is not None and now + upcoming - self.retry_clock >= policy.max_retry_time
+
     def retrying_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for tenacity's `Retrying`/`AsyncRetrying` (the transports add ``sleep``)."""
-        policy = self.policy
-        stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
-        if policy.max_retry_time is not None:
-            # tenacity's clock starts now, after the first attempt: count that attempt's time too.
-            spent = time.monotonic() - self.started
-            stop = stop | tenacity.stop_before_delay(max(policy.max_retry_time - spent, 0.0))
         return {
-            "stop": stop,
+            "stop": self._stop,
             "wait": self._wait,
             "retry": self._should_retry,
             "before_sleep": self._before_sleep,
@@ -510,7 +548,9 @@ class RequestState:
         elapsed = time.monotonic() - self.started
         if self.verdict is not None and not self.verdict.retry:
             why = f"not retried: {self.verdict.reason}"
-        elif self.attempts >= self.policy.max_attempts:
+        elif self.loading_since is not None:
+            why = f"max_loading_wait={self.policy.max_loading_wait:g} s reached while the server was loading"
+        elif self.attempts - self.loading_attempts >= self.policy.max_attempts:
             why = f"max_attempts={self.policy.max_attempts} reached"
         else:
             why = f"max_retry_time={self.policy.max_retry_time:g} s reached"
