@@ -1,6 +1,9 @@
 """The adaptive probe in the aiohttp flavour, on the emulator: the deadline learnt per origin and used, a late
 answer counted, admission of new connections woken in turn and bounded by the connect timeout, and the text of a
-given-up probe. Shown by counts and state, not elapsed time (see tests/test_adaptive_probe.py for the core)."""
+given-up probe. Shown by counts and state, not elapsed time (see tests/test_adaptive_probe.py for the core).
+
+Every test pins ``connection="reuse"``: the emulator is on loopback, where the default closes every connection and
+probes none; the probe belongs to keep-alive connections."""
 
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ async def new_connections(url: str, policy: GuardPolicy, count: int, timeout: fl
 def test_learnt_deadline_is_used_and_a_given_up_probe_says_so() -> None:
     """After 4 answers the learnt deadline is in force: a connection the server never reads is given up at it, and
     the error says the probe got no answer within that deadline (not aiohttp's "Cannot connect to host")."""
-    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)  # given up at the learnt deadline: without kicks
+    # Given up at the learnt deadline: without kicks.
+    policy = GuardPolicy(connection="reuse", probe_timeout=3.0, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         learning = asyncio.run(new_connections(server.url, policy, LEARN_AFTER))
@@ -89,7 +93,8 @@ async def given_up_then_answered(server: LlamaServerEmulator, policy: GuardPolic
 def test_probe_answered_late_is_counted_and_raises_the_deadline() -> None:
     """A probe given up on a connection the server then serves: counted in probes_answered_late, and the deadline
     rises above that answer's latency."""
-    policy = GuardPolicy(probe_timeout=3.0, probe_kick=False)  # given up at the learnt deadline: without kicks
+    # Given up at the learnt deadline: without kicks.
+    policy = GuardPolicy(connection="reuse", probe_timeout=3.0, probe_kick=False)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         asyncio.run(new_connections(server.url, policy, LEARN_AFTER))
@@ -135,7 +140,7 @@ def test_admission_wakes_sessions_in_turn() -> None:
     """connect_admission="always": sessions that ask at once wait (no connection opened) while another connection
     to the origin holds the turn, here this thread's; released from outside their event loop, they are woken and
     opened one at a time, every wait counted."""
-    policy = GuardPolicy(connect_admission="always", probe_timeout_min=0.5)
+    policy = GuardPolicy(connection="reuse", connect_admission="always", probe_timeout_min=0.5)
     count = 8
     finished: dict[str, Any] = {}
     with LlamaServerEmulator(pool_bug=False) as server:
@@ -169,7 +174,7 @@ def test_admission_wait_is_bounded_by_the_connect_timeout() -> None:
     """A session waiting for its turn waits no longer than its connect timeout: aiohttp's ConnectionTimeoutError
     while the turn is still held, its place given up, no connection opened. (aiohttp's own ``connect`` timer, which
     covers the whole connect, and the guard's bound on the wait expire together; either may raise.)"""
-    policy = GuardPolicy(connect_admission="always", max_attempts=1)
+    policy = GuardPolicy(connection="reuse", connect_admission="always", max_attempts=1)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
         held = HeldTurn(probes)
@@ -200,7 +205,7 @@ async def ask_with_timeout(url: str, policy: GuardPolicy, timeout: Any) -> BaseE
 def test_admission_wait_names_itself_when_sock_connect_is_the_bound() -> None:
     """With a ``sock_connect`` shorter than ``connect``, the guard's own bound ends the wait first, and the error's
     cause says what the connection waited for."""
-    policy = GuardPolicy(connect_admission="always", max_attempts=1)
+    policy = GuardPolicy(connection="reuse", connect_admission="always", max_attempts=1)
     timeout = aiohttp.ClientTimeout(total=None, connect=30.0, sock_connect=0.3)
     with LlamaServerEmulator(pool_bug=False) as server:
         probes = origin_of(server)
