@@ -148,6 +148,11 @@ class GuardPolicy:
         backoff: base delay in seconds of the jittered exponential backoff between attempts (default 0.05). A
             request that found its pooled connection dead is retried at once.
         backoff_max: the cap on one backoff delay (default 2.0 seconds).
+        max_loading_wait: seconds the guard waits for a server that answers 503 (llama-server loading a model, on
+            ``/health`` or on the request), retrying with backoff (0.5 s doubling up to ``backoff_max``), before it
+            hands the caller the 503 (default 120.0; 0 returns it at once). These retries spend none of
+            ``max_attempts`` and their time none of ``max_retry_time``: loading is not a failure, and a big model
+            takes a minute or more.
         max_retry_after: the longest ``Retry-After`` the guard waits out before retrying a 503 or 429 (default
             30.0 seconds); a longer one returns the response to the caller.
         retry_non_idempotent: also retry POST/PATCH requests to endpoints other than llama-server's inference
@@ -170,6 +175,7 @@ class GuardPolicy:
     max_retry_time: float | None = 60.0
     backoff: float = 0.05
     backoff_max: float = 2.0
+    max_loading_wait: float = 120.0
     max_retry_after: float = 30.0
     retry_non_idempotent: bool = False
 
@@ -207,6 +213,7 @@ class GuardPolicy:
         _check_seconds("backoff", self.backoff, allow_none=False)
         _check_seconds("backoff_max", self.backoff_max, allow_none=False)
         _check_seconds("max_retry_after", self.max_retry_after, allow_none=False)
+        _check_seconds("max_loading_wait", self.max_loading_wait, allow_none=False)
         _check_bool("retry_non_idempotent", self.retry_non_idempotent)
 
     def __repr__(self) -> str:
