@@ -1,7 +1,8 @@
 """Where the examples send their requests: a llama-server you name, or an emulated one started in the process.
 
 Each example takes the server's base URL as its first argument or from ``LLAMA_URL``; with neither, it starts the
-emulator from ``llama_guard.testing``, so that every example runs as it is, with no server installed.
+emulator from ``llama_guard.testing`` with both defects on every time (as ``python -m llama_guard.testing
+--faulty``), so that every example runs as it is, with no server installed, and shows the defects.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from llama_guard.testing import LlamaServerEmulator
+from llama_guard.testing.__main__ import FAULTY_STALL_BURST, FAULTY_STREAM_CLOSE
 
 __all__ = ["llama_server", "missing_extra"]
 
@@ -34,7 +36,9 @@ def llama_server() -> Iterator[str]:
     if url:
         yield url
         return
-    # The emulator closes a stream's connection 60 ms after the final chunk (llama-server does it at once), so
-    # that on loopback the client reuses the connection before it dies, as it does under load.
-    with LlamaServerEmulator(stream_close_delay=0.06) as server:
+    # Both defects every time, as `python -m llama_guard.testing --faulty` does: a request written to a stream's
+    # connection is dropped unanswered (llama-server closes that connection right after the final chunk, a race
+    # that a client on an idle machine often wins, so its losses come and go), and a burst's connections after
+    # the first 4 stay unread. So the plain client's losses show on any machine, every run.
+    with LlamaServerEmulator(stream_close=FAULTY_STREAM_CLOSE, stall_burst=FAULTY_STALL_BURST) as server:
         yield server.url

@@ -1,6 +1,6 @@
 """Plain httpx against llama-server, then through llama_guard, with an async client shared by many tasks.
 
-    python examples/async_httpx.py                         # starts an emulated llama-server in this process
+    python examples/async_httpx.py                         # starts a faulty emulated llama-server in this process
     python examples/async_httpx.py http://127.0.0.1:8080   # your llama-server (or set LLAMA_URL)
 
 Sixteen tasks share one client with a 4-connection pool, like a proxy in front of llama-server: 80 chat
@@ -8,6 +8,13 @@ completions, half of them streamed. AsyncGuardTransport works the same under tri
 
 Against a real server the plain client's losses vary with load and timing: llama-server closes the connection at
 once, and httpx sometimes notices before it reuses it.
+
+To point it at the standalone emulator, start that with ``--faulty``: at its defaults it closes a stream's
+connection at once, as llama-server does, a race that a client on an idle machine usually wins (nothing is lost);
+``--faulty`` drops every request written to a stream's connection, so the plain client's losses show every run::
+
+    python -m llama_guard.testing --faulty --port 8080 &
+    python examples/async_httpx.py http://127.0.0.1:8080
 
 Needs nothing beyond the package itself (``pip install -e .``).
 """
@@ -25,6 +32,7 @@ import httpx
 
 import llama_guard
 from llama_guard.testing import LlamaServerEmulator
+from llama_guard.testing.__main__ import FAULTY_STALL_BURST, FAULTY_STREAM_CLOSE
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 80
@@ -39,9 +47,8 @@ async def llama_server() -> AsyncIterator[str]:
     if url:
         yield url
         return
-    # The emulator closes a stream's connection 60 ms after the final chunk (llama-server does it at once), so
-    # that on loopback the client reuses the connection before it dies, as it does under load.
-    async with LlamaServerEmulator(stream_close_delay=0.06) as server:
+    # Both defects every time, as `python -m llama_guard.testing --faulty` does (see examples/_llama_url.py).
+    async with LlamaServerEmulator(stream_close=FAULTY_STREAM_CLOSE, stall_burst=FAULTY_STALL_BURST) as server:
         yield server.url
 
 

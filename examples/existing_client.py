@@ -1,12 +1,19 @@
 """Protect an httpx client you already have with llama_guard.guard(client).
 
-    python examples/existing_client.py                         # starts an emulated llama-server in this process
+    python examples/existing_client.py                         # starts a faulty emulated llama-server here
     python examples/existing_client.py http://127.0.0.1:8080   # your llama-server (or set LLAMA_URL)
 
 The same client sends the same requests before and after guard(). guard() wraps the client's transports in
 place; base URL, headers, timeouts, limits and the connection pool stay as they were. The guarded client's first
 request may take a connection that the plain client left dying in the pool: the guard sends it again on a new
 connection and logs one warning.
+
+To point it at the standalone emulator, start that with ``--faulty``: at its defaults it closes a stream's
+connection at once, as llama-server does, a race that a client on an idle machine usually wins (nothing is lost);
+``--faulty`` drops every request written to a stream's connection, so the plain client's losses show every run::
+
+    python -m llama_guard.testing --faulty --port 8080 &
+    python examples/existing_client.py http://127.0.0.1:8080
 
 Needs nothing beyond the package itself (``pip install -e .``).
 """

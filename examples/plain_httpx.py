@@ -1,6 +1,6 @@
 """Plain httpx against llama-server, then the same requests through llama_guard, with a sync client.
 
-    python examples/plain_httpx.py                         # starts an emulated llama-server in this process
+    python examples/plain_httpx.py                         # starts a faulty emulated llama-server in this process
     python examples/plain_httpx.py http://127.0.0.1:8080   # your llama-server (or set LLAMA_URL)
 
 Twenty chat completions, one after another, every other one streamed. llama-server closes the connection of
@@ -9,6 +9,13 @@ the next request on that dying connection and loses it. The guard does not.
 
 Against a real server the plain client may lose fewer requests or none: the server closes at once, and httpx
 often notices before it reuses the connection. The losses come under concurrent load (see docs/how-it-works.md).
+
+To point it at the standalone emulator, start that with ``--faulty``: at its defaults it closes a stream's
+connection at once, as llama-server does, a race that a client on an idle machine usually wins (nothing is lost);
+``--faulty`` drops every request written to a stream's connection, so the plain client's losses show every run::
+
+    python -m llama_guard.testing --faulty --port 8080 &
+    python examples/plain_httpx.py http://127.0.0.1:8080
 
 Needs nothing beyond the package itself (``pip install -e .``).
 """
