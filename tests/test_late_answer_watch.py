@@ -229,7 +229,10 @@ async def given_up_once(
 )
 @pytest.mark.parametrize(("flavor", "library"), CLIENTS)
 def test_a_given_up_connection_is_closed(flavor: str, library: str, close: bool, watch: float) -> None:
-    policy = GuardPolicy(probe_timeout=0.2, probe_timeout_max=watch, probe_learning=False, max_attempts=1)
+    # connection="reuse": the emulator is on loopback, where the default closes connections and probes none.
+    policy = GuardPolicy(
+        connection="reuse", probe_timeout=0.2, probe_timeout_max=watch, probe_learning=False, max_attempts=1
+    )
     with LlamaServerEmulator(pool_bug=False) as server:
         server.inject(Fault.NEVER_ANSWER_ACCEPT, count=1)
         seen = run_scenario(flavor, given_up_once, flavor, library, server, policy, close)
