@@ -85,10 +85,26 @@ class OriginStats(GuardStats):
         super().record_retry(reason, stall=stall)
 
     def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
+        """`GuardStats.record_request` for both, in one hold of the lock and one bucket lookup: once per request."""
         parent = self._parent()
-        if parent is not None:
-            parent.record_request(attempts, first_byte, closed_by_header)
-        super().record_request(attempts, first_byte, closed_by_header)
+        lock = self._lock
+        lock.acquire()
+        try:
+            self.requests += 1
+            self.attempts += attempts
+            if closed_by_header:
+                self.stream_connections_closed += 1
+            if first_byte is not None:
+                index = self.first_byte.record(first_byte)
+            if parent is not None:
+                parent.requests += 1
+                parent.attempts += attempts
+                if closed_by_header:
+                    parent.stream_connections_closed += 1
+                if first_byte is not None:
+                    parent.first_byte.record_at(index, first_byte)
+        finally:
+            lock.release()
 
     def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
         parent = self._parent()

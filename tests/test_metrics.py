@@ -1,0 +1,473 @@
+"""llama_guard.metrics: counts per stack and origin, the Prometheus collector, the OpenTelemetry instruments, and
+`stats_of` / `result_of`; on real loopback sockets against the emulator.
+
+Every figure an exporter shows is compared with the `GuardStats` it comes from, and with what the test made happen
+(requests sent, streams, retries the emulator forced).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import inspect
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+import llama_guard
+from llama_guard import GuardPolicy, GuardStats, Origin
+from llama_guard._core.decisions import FailureKind, Progress, RequestKind, verdict_for_failure, verdict_for_status
+from llama_guard._core.origin_stats import COUNTS, OriginStats, StatsSet
+from llama_guard._core.request_state import retry_reason
+from llama_guard.metrics import FIRST_BYTE_BUCKETS, METRICS, PrometheusCollector, instrument_opentelemetry
+from llama_guard.testing import LlamaServerEmulator
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = "/v1/chat/completions"
+ORIGIN = Origin.of("http", "127.0.0.1", 8080)
+
+
+def chat(*, stream: bool = False) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": stream}
+
+
+def origin_of(server: LlamaServerEmulator) -> Origin:
+    return Origin.of("http", "127.0.0.1", server.port)
+
+
+# -- an origin's account ---------------------------------------------------------------------------------------
+
+
+def test_an_origin_account_counts_into_its_parent_too() -> None:
+    """Each way of counting reaches both the account and the transport's GuardStats, once."""
+    parent = GuardStats()
+    account = parent.of_origin("httpx", ORIGIN)
+    assert parent.of_origin("httpx", ORIGIN) is account
+    account.record_request(2, 0.25, True)
+    account.record_retry("dead_connection", stall=False)
+    account.record_retry("stalled_connection", stall=True)
+    account.record_probe(0.01, answered=True, rescued=True)
+    account.record_probe(0.5, answered=False, given_up=True)
+    account.add(probe_kicks=2, stream_connections_closed=1, stream_connections_dropped=1)
+    account.add_error("RemoteProtocolError")
+    account.record_admission_wait(0.1)
+    for stats in (parent, account):
+        snap = stats.snapshot()
+        assert (snap.requests, snap.attempts, snap.retries, snap.stall_reconnects) == (1, 2, 2, 1)
+        assert snap.retries_by_reason == {"dead_connection": 1, "stalled_connection": 1}
+        assert (snap.probes_sent, snap.probes_failed, snap.probes_given_up, snap.probes_rescued) == (2, 1, 1, 1)
+        assert (snap.probe_kicks, snap.stream_connections_closed, snap.stream_connections_dropped) == (2, 2, 1)
+        assert snap.errors == {"RemoteProtocolError": 1}
+        assert snap.admission_waits == 1
+        assert snap.first_byte is not None
+        assert (snap.first_byte.count, snap.first_byte.max) == (1, 0.25)
+    # The conditions the transport reports are the parent's, whichever object sets them.
+    account.late_answers_unseen = "no socket"
+    assert parent.late_answers_unseen == account.late_answers_unseen == "no socket"
+    assert parent.by_origin() == {("httpx", ORIGIN): account}
+    parent.reset()
+    assert account.snapshot().requests == parent.snapshot().requests == 0
+
+
+@pytest.mark.parametrize("args", [(1, 0.2, False), (3, None, True), (2, -1.0, False), (1, 1e-7, True)])
+def test_an_account_records_a_request_as_the_stats_do(args: tuple[int, float | None, bool]) -> None:
+    """The account's own record_request (one lock, one bucket lookup for both) counts what GuardStats' does."""
+    reference = GuardStats()
+    reference.record_request(*args)
+    parent = GuardStats()
+    account = parent.of_origin("httpx", ORIGIN)
+    account.record_request(*args)
+    assert parent.snapshot().as_dict() == reference.snapshot().as_dict() == account.snapshot().as_dict()
+
+
+def test_an_origin_account_forwards_every_way_of_counting() -> None:
+    """A counting method added to GuardStats must forward to the parent: this fails until OriginStats has it."""
+    reading = {"snapshot", "reset", "of_origin", "by_origin"}
+    counting = {
+        name
+        for name, value in vars(GuardStats).items()
+        if inspect.isfunction(value) and not name.startswith("_") and name not in reading
+    }
+    assert counting, "GuardStats has no counting methods?"
+    assert counting <= set(vars(OriginStats)), counting - set(vars(OriginStats))
+    # Every whole-number counter but passthrough (other origins) is kept per origin and summed by the exporters.
+    fresh = GuardStats()
+    numbers = {name for name, value in vars(fresh).items() if type(value) is int and not name.startswith("_")}
+    assert numbers - {"passthrough"} == set(COUNTS)
+
+
+def test_totals_keep_the_counts_of_a_transport_that_is_gone() -> None:
+    """A StatsSet holds its GuardStats weakly, and folds the counts of a collected one into its totals."""
+    stats = GuardStats()
+    watched = StatsSet([stats])
+    stats.of_origin("httpx", ORIGIN).record_request(3, 0.1, False)
+    assert watched.totals()[("httpx", ORIGIN)].counts["attempts"] == 3
+    del stats
+    gc.collect()
+    assert len(list(watched._live)) == 0  # not kept alive by the set, nor by its account's finalizer
+    totals = watched.totals()[("httpx", ORIGIN)]
+    assert (totals.counts["requests"], totals.counts["attempts"], totals.first_byte.total) == (1, 3, 0.1)
+    stats = GuardStats()
+    watched.add(stats)
+    stats.of_origin("httpx", ORIGIN).record_request(1, None, False)
+    assert watched.totals()[("httpx", ORIGIN)].counts["requests"] == 2
+
+
+REQUEST = RequestKind("POST", idempotent=False, inference=True, stream=False, replayable=True)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "reason"),
+    [
+        (
+            verdict_for_failure(
+                FailureKind.PROBE,
+                progress=Progress.CONNECTED,
+                reused_connection=False,
+                body_started=False,
+                request=REQUEST,
+                retry_non_idempotent=False,
+            ),
+            "stalled_connection",
+        ),
+        (
+            verdict_for_failure(
+                FailureKind.FIRST_BYTE_TIMEOUT,
+                progress=Progress.WRITTEN,
+                reused_connection=False,
+                body_started=True,
+                request=REQUEST,
+                retry_non_idempotent=False,
+            ),
+            "stalled_connection",
+        ),
+        (
+            verdict_for_failure(
+                FailureKind.NETWORK,
+                progress=Progress.WRITTEN,
+                reused_connection=True,
+                body_started=True,
+                request=REQUEST,
+                retry_non_idempotent=False,
+            ),
+            "dead_connection",
+        ),
+        (
+            verdict_for_failure(
+                FailureKind.CONNECT,
+                progress=Progress.NOTHING,
+                reused_connection=False,
+                body_started=False,
+                request=REQUEST,
+                retry_non_idempotent=False,
+            ),
+            "connection_error",
+        ),
+        (
+            verdict_for_status(503, {}, request=REQUEST, retry_non_idempotent=False, max_retry_after=30.0),
+            "status",
+        ),
+        (None, "connection_error"),
+    ],
+)
+def test_retry_reasons(verdict: Any, reason: str) -> None:
+    assert retry_reason(verdict) == reason
+
+
+# -- counted per origin and stack, on real sockets ---------------------------------------------------------------
+
+
+def test_one_transport_two_origins_are_two_accounts() -> None:
+    """A transport serving two servers counts each apart; the accounts add up to the transport's counts."""
+    with LlamaServerEmulator() as first, LlamaServerEmulator() as second:
+        transport = llama_guard.GuardTransport()
+        with httpx.Client(transport=transport, timeout=10.0) as client:
+            for _ in range(3):
+                assert client.post(first.url + CHAT, json=chat()).status_code == 200
+            with client.stream("POST", second.url + CHAT, json=chat(stream=True)) as response:
+                response.read()
+    accounts = transport.stats.by_origin()
+    assert set(accounts) == {("httpx", origin_of(first)), ("httpx", origin_of(second))}
+    assert accounts["httpx", origin_of(first)].requests == 3
+    assert accounts["httpx", origin_of(second)].requests == 1
+    assert accounts["httpx", origin_of(second)].stream_connections_closed == 1
+    snap = transport.stats.snapshot()
+    for name in COUNTS:
+        assert getattr(snap, name) == sum(getattr(account, name) for account in accounts.values()), name
+
+
+def stacks() -> list[Any]:
+    cases = [pytest.param("httpx", id="httpx")]
+    try:
+        import httpx2  # noqa: F401
+
+        cases.append(pytest.param("httpx2", id="httpx2"))
+    except ImportError:
+        cases.append(pytest.param("httpx2", id="httpx2", marks=pytest.mark.skip(reason="httpx2 is not installed")))
+    cases.append(pytest.param("aiohttp", id="aiohttp"))
+    return cases
+
+
+async def three_requests(stack: str, url: str) -> GuardStats:
+    """Two plain requests and a stream through a guarded client of ``stack``; its counters."""
+    if stack == "aiohttp":
+        from llama_guard.aiohttp import guarded_session
+
+        async with guarded_session(url) as session:
+            for body in (chat(), chat(), chat(stream=True)):
+                async with session.post(CHAT, json=body) as response:
+                    assert response.status == 200
+                    await response.read()
+                    assert llama_guard.result_of(response) is not None
+            return llama_guard.stats_of(session)
+    library: Any = httpx
+    if stack == "httpx2":
+        import httpx2
+
+        library = httpx2
+    async with llama_guard.guard(library.AsyncClient(base_url=url, timeout=10.0)) as client:
+        for body in (chat(), chat(), chat(stream=True)):
+            response = await client.post(CHAT, json=body)
+            assert response.status_code == 200
+            assert llama_guard.result_of(response) is not None
+        return llama_guard.stats_of(client)
+
+
+@pytest.mark.parametrize("stack", stacks())
+def test_each_stack_is_named_in_its_accounts(stack: str) -> None:
+    with LlamaServerEmulator() as server:
+        stats = asyncio.run(three_requests(stack, server.url))
+    assert list(stats.by_origin()) == [(stack, origin_of(server))]
+    account = stats.by_origin()[stack, origin_of(server)]
+    assert (account.requests, account.stream_connections_closed) == (3, 1)
+    assert account.first_byte.summary().count == 3
+
+
+def test_retries_are_counted_by_reason() -> None:
+    """The emulator drops every request written to a stream's kept connection: with the guard's stream handling off,
+    each such request is retried, counted as a dead connection, exactly as often as the server dropped one."""
+    policy = GuardPolicy(stream_mode="off", connection="reuse")
+    with LlamaServerEmulator(stream_close="on_reuse", http_threads=16, pool_bug=False) as server:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        transport = llama_guard.GuardTransport(httpx.HTTPTransport(limits=limits), policy=policy)
+        with httpx.Client(transport=transport, base_url=server.url, timeout=10.0) as client:
+            for index in range(6):
+                with client.stream("POST", CHAT, json=chat(stream=index % 2 == 0)) as response:
+                    response.read()
+        dropped = server.stats().requests_dropped_after_stream
+    snap = transport.stats.snapshot()
+    assert dropped >= 1
+    assert snap.retries_by_reason == {"dead_connection": dropped}
+    assert snap.retries == dropped
+
+
+# -- the exporters ----------------------------------------------------------------------------------------------
+
+
+def scrape(collector: PrometheusCollector) -> dict[str, Any]:
+    """Metric families by name, parsed from the text a scrape returns."""
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def sample(families: dict[str, Any], name: str, **labels: str) -> float:
+    family_name = re.sub(r"_(total|bucket|count|sum|info)$", "", name)
+    found = [
+        s.value
+        for s in families[family_name].samples
+        if s.name == name and all(s.labels.get(key) == value for key, value in labels.items())
+    ]
+    assert len(found) == 1, (name, labels, families[family_name].samples)
+    return float(found[0])
+
+
+def otel_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        metric.name: list(metric.data.data_points)
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+
+
+def otel_value(points: dict[str, list[Any]], name: str, **attributes: str) -> Any:
+    found = [p for p in points[name] if all(p.attributes.get(k) == v for k, v in attributes.items())]
+    assert len(found) == 1, (name, attributes, points[name])
+    return found[0]
+
+
+def test_prometheus_and_opentelemetry_show_the_stats() -> None:
+    """Names, types and label sets as documented; every counter equal to the stats it reads, in both exporters."""
+    with LlamaServerEmulator(stream_close="on_reuse", http_threads=16, pool_bug=False) as server:
+        transport = llama_guard.GuardTransport(policy=GuardPolicy(stream_mode="off", connection="reuse"))
+        with httpx.Client(transport=transport, base_url=server.url, timeout=10.0) as client:
+            for index in range(8):
+                with client.stream("POST", CHAT, json=chat(stream=index % 2 == 0)) as response:
+                    response.read()
+    origin = str(origin_of(server))
+    snap = transport.stats.snapshot()
+    assert snap.retries >= 1  # something to show besides requests
+    families = scrape(PrometheusCollector(sources=[transport]))
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        instrument_opentelemetry(provider, sources=[transport])
+        points = otel_points(reader)
+    finally:
+        provider.shutdown()
+    labels = {"stack": "httpx", "origin": origin}
+    attributes = {"llama_guard.stack": "httpx", "llama_guard.origin": origin}
+    for metric in METRICS:
+        if metric.field is not None:
+            expected = getattr(snap, metric.field)
+            assert families[metric.prometheus].type == "counter"
+            assert sample(families, metric.prometheus_sample, **labels) == expected, metric.prometheus
+            assert otel_value(points, metric.opentelemetry, **attributes).value == expected, metric.opentelemetry
+    for reason, count in snap.retries_by_reason.items():
+        assert sample(families, "llama_guard_retries_total", reason=reason, **labels) == count
+        point = otel_value(points, "llama_guard.retries", **{"llama_guard.retry.reason": reason}, **attributes)
+        assert point.value == count
+    for error, count in snap.errors.items():
+        assert sample(families, "llama_guard_errors_total", error=error, **labels) == count
+    # The first-byte histogram: every response counted once, in seconds, in the same buckets on both sides.
+    assert snap.first_byte is not None
+    assert families["llama_guard_first_byte_seconds"].type == "histogram"
+    assert sample(families, "llama_guard_first_byte_seconds_count", **labels) == snap.first_byte.count == 8
+    assert sample(families, "llama_guard_first_byte_seconds_sum", **labels) == pytest.approx(snap.first_byte.mean * 8)
+    histogram = otel_value(points, "llama_guard.first_byte.duration", **attributes)
+    assert histogram.count == 8
+    assert list(histogram.explicit_bounds) == list(FIRST_BYTE_BUCKETS)
+    cumulative = 0
+    for bound, count in zip(histogram.explicit_bounds, histogram.bucket_counts, strict=False):
+        cumulative += count
+        assert sample(families, "llama_guard_first_byte_seconds_bucket", le=str(float(bound)), **labels) == cumulative
+
+
+def test_the_first_byte_buckets_place_each_sample_below_its_bound() -> None:
+    """A sample lands in the first bucket whose bound is at least it (within the guard's 2% buckets)."""
+    stats = GuardStats()
+    account = stats.of_origin("httpx", ORIGIN)
+    for seconds in (0.001, 0.004, 0.02, 0.2, 0.2, 3.0, 400.0):
+        account.record_request(1, seconds, False)
+    families = scrape(PrometheusCollector(sources=[stats]))
+    labels = {"stack": "httpx", "origin": str(ORIGIN)}
+    counts = {
+        bound: sample(families, "llama_guard_first_byte_seconds_bucket", le=bound, **labels)
+        for bound in ("0.005", "0.01", "0.025", "0.1", "0.25", "1.0", "5.0", "300.0", "+Inf")
+    }
+    assert counts == {
+        "0.005": 2,
+        "0.01": 2,
+        "0.025": 3,
+        "0.1": 3,
+        "0.25": 5,
+        "1.0": 5,
+        "5.0": 6,
+        "300.0": 6,
+        "+Inf": 7,
+    }
+    assert sample(families, "llama_guard_first_byte_seconds_sum", **labels) == pytest.approx(403.425)
+
+
+def test_the_opentelemetry_histogram_records_each_sample_once() -> None:
+    """Fed at each collection with the samples since the last: two collections, no sample counted twice."""
+    stats = GuardStats()
+    account = stats.of_origin("aiohttp", ORIGIN)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        instrument_opentelemetry(provider, sources=[stats])
+        account.record_request(1, 0.02, False)
+        first = otel_points(reader)
+        account.record_request(1, 2.0, False)
+        account.record_request(1, 2.0, False)
+        second = otel_points(reader)
+    finally:
+        provider.shutdown()
+    attributes = {"llama_guard.stack": "aiohttp", "llama_guard.origin": str(ORIGIN)}
+    assert otel_value(first, "llama_guard.first_byte.duration", **attributes).count == 1
+    histogram = otel_value(second, "llama_guard.first_byte.duration", **attributes)
+    assert histogram.count == 3  # cumulative
+    assert histogram.sum == pytest.approx(4.02, rel=0.02)
+    assert otel_value(second, "llama_guard.requests", **attributes).value == 3
+
+
+def test_the_collector_reads_every_guard_of_the_process_by_default() -> None:
+    """No sources: a new transport is exported without being registered, and stays counted once it is gone."""
+    origin = Origin.of("http", "127.0.0.1", 1)  # a port no test serves on
+    stats = GuardStats()
+    stats.of_origin("httpx2", origin).record_request(1, None, False)
+    before = sample(scrape(PrometheusCollector()), "llama_guard_requests_total", stack="httpx2", origin=str(origin))
+    del stats
+    gc.collect()
+    after = sample(scrape(PrometheusCollector()), "llama_guard_requests_total", stack="httpx2", origin=str(origin))
+    assert before == after >= 1
+
+
+def test_docs_list_every_metric() -> None:
+    """docs/metrics.md names every metric, in both systems' spelling, with its unit."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    for metric in METRICS:
+        assert f"`{metric.prometheus_sample}" in text or f"`{metric.prometheus}" in text, metric.prometheus
+        assert f"`{metric.opentelemetry}`" in text, metric.opentelemetry
+        assert f"`{metric.unit}`" in text, metric.unit
+
+
+# -- stats_of and result_of --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server() -> Iterator[LlamaServerEmulator]:
+    with LlamaServerEmulator() as emulator:
+        yield emulator
+
+
+def test_stats_of_a_guarded_client_is_its_guards_counters(server: LlamaServerEmulator) -> None:
+    client = llama_guard.guard(
+        httpx.Client(base_url=server.url, mounts={"http://example.invalid": httpx.HTTPTransport()})
+    )
+    with client:
+        response = client.post(CHAT, json=chat())
+    stats = llama_guard.stats_of(client)
+    assert stats.requests == 1
+    assert llama_guard.result_of(response) == response.extensions["llama_guard"]
+    # The transport, and the GuardStats itself, give the same object.
+    assert llama_guard.stats_of(stats) is stats
+    transport = llama_guard.GuardTransport()
+    with httpx.Client(transport=transport) as built:
+        assert llama_guard.stats_of(built) is transport.stats is llama_guard.stats_of(transport)
+
+
+def test_stats_of_refuses_what_has_no_guard(server: LlamaServerEmulator) -> None:
+    with httpx.Client(base_url=server.url) as plain:
+        with pytest.raises(ValueError, match=r"no guard: guard it with llama_guard\.guard\(client\)"):
+            llama_guard.stats_of(plain)
+        response = plain.post(CHAT, json=chat())
+    assert llama_guard.result_of(response) is None
+    with pytest.raises(TypeError, match="stats_of"):
+        llama_guard.stats_of(object())
+    with pytest.raises(TypeError, match="result_of"):
+        llama_guard.result_of(object())
+
+
+def test_stats_of_a_client_install_guards_is_the_installation(server: LlamaServerEmulator) -> None:
+    installation = llama_guard.install(origins=[server.url])
+    try:
+        with httpx.Client(base_url=server.url) as client:
+            client.post(CHAT, json=chat())
+            assert llama_guard.stats_of(client) is installation.stats is llama_guard.stats_of(installation)
+    finally:
+        llama_guard.uninstall()
+    assert installation.stats.requests == 1
