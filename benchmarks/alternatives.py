@@ -154,6 +154,7 @@ class Result:
     run: int
     block: Block
     strategies: dict[str, int]  # what the guard's responses said: {"close": n, "reuse": m}
+    reasons: list[str]  # the guard's stats.connection_strategies: the choice and why
 
     @property
     def lost(self) -> int:
@@ -251,6 +252,16 @@ class Strategies:
                 self.counts[str(choice)] += 1
 
 
+def strategy_reasons(clients: Sequence[httpx.Client]) -> list[str]:
+    """The strategies the guard's stats name (``stats.connection_strategies``: each origin's choice and why)."""
+    reasons: set[str] = set()
+    for client in clients:
+        transport = client._transport
+        if isinstance(transport, GuardTransport):
+            reasons.update(getattr(transport.stats.snapshot(), "connection_strategies", {}).values())
+    return sorted(reasons)
+
+
 def make_client(kind: str, inner: httpx.HTTPTransport, at: Endpoint, strategies: Strategies) -> httpx.Client:
     return httpx.Client(
         transport=make_transport(kind, inner),
@@ -325,6 +336,7 @@ def run_block(
                     client = make_client(client_kind, inner, at, strategies)
                     outcomes, seconds, firsts = drive_proxy(client, args.requests)
                     counters = guard_counters(client)
+                    reasons = strategy_reasons([client])
                     client.close()
                     block = Block(scenario, kind, run, outcomes, seconds, 0.0, firsts, counters)
                 else:
@@ -341,11 +353,12 @@ def run_block(
                             for sock in sockets
                         ]
                         block, counters = drive_burst(clients, kind, run, args.seconds)
+                        reasons = strategy_reasons(clients)
                     block.guard = counters
         finally:
             other_tokens = saturator.stop() if saturator is not None else 0
         block.server_completions = server_completions(server, other_tokens=other_tokens)
-    return Result(scenario, trip.name, kind, run, block, dict(strategies.counts))
+    return Result(scenario, trip.name, kind, run, block, dict(strategies.counts), reasons)
 
 
 # -- reporting -------------------------------------------------------------------------------------------------
@@ -617,6 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{b.rate:.1f} ok req/s, {result.lost} lost, {b.stuck} stuck, ran "
                             f"{b.server_completions:.0f}, slowest first {seconds_or_stuck(result.slowest)}"
                             + (f", {result.strategies}" if result.strategies else "")
+                            + (f" [{'; '.join(result.reasons)}]" if result.reasons and kind == GUARD else "")
                         )
                         results.append(result)
     if hasattr(os, "getloadavg"):
@@ -661,6 +675,21 @@ def main(argv: list[str] | None = None) -> int:
                 if mine:
                     values = ", ".join("stuck" if math.isinf(r.slowest) else f"{r.slowest:.2f}" for r in mine)
                     print(f"  {scenario}, {name}, {kind}: {values}")
+    print()
+    print("The guard's default: its choice and reason (stats.connection_strategies), per cell:")
+    for scenario in scenarios:
+        for trip_key in trips:
+            name = ROUND_TRIPS[trip_key].name
+            reasons = sorted(
+                {
+                    reason
+                    for r in results
+                    if (r.scenario, r.trip, r.kind) == (scenario, name, GUARD)
+                    for reason in r.reasons
+                }
+            )
+            if reasons:
+                print(f"  {scenario}, {name}: " + " | ".join(reasons))
     print()
     print("Issue 22's targets:")
     for scenario in scenarios:
