@@ -88,6 +88,21 @@ def test_an_account_records_a_request_as_the_stats_do(args: tuple[int, float | N
     assert parent.snapshot().as_dict() == reference.snapshot().as_dict() == account.snapshot().as_dict()
 
 
+def test_an_account_shows_its_parents_conditions() -> None:
+    """The conditions a transport reports (public_path, probing_off, ...; any added later too) read the same
+    through an account, so an account's snapshot says what its transport's does."""
+    parent = GuardStats()
+    account = parent.of_origin("httpx", ORIGIN)
+    conditions = [name for name, value in vars(parent).items() if value is None and not name.startswith("_")]
+    assert {"public_path", "probing_off", "late_answers_unseen"} <= set(conditions)
+    for name in conditions:
+        setattr(parent, name, f"because of {name}")
+    shown = account.snapshot().as_dict()
+    for name in conditions:
+        assert getattr(account, name) == f"because of {name}"
+        assert shown.get(name, f"because of {name}") == f"because of {name}"
+
+
 def test_an_origin_account_forwards_every_way_of_counting() -> None:
     """A counting method added to GuardStats must forward to the parent: this fails until OriginStats has it."""
     reading = {"snapshot", "reset", "of_origin", "by_origin"}

@@ -159,6 +159,15 @@ class OriginStats(GuardStats):
         if parent is not None:
             parent.late_answers_unseen = value
 
+    def __getattr__(self, name: str) -> Any:
+        """Any other condition the parent reports (an attribute this account does not keep): the parent's."""
+        if name.startswith("__") or name == "_parent":
+            raise AttributeError(name)
+        parent = self._parent()
+        if parent is None:
+            raise AttributeError(name)
+        return getattr(parent, name)
+
     def __repr__(self) -> str:
         return f"<OriginStats {self.stack} {self.origin} {super().__repr__()}>"
 
