@@ -129,6 +129,11 @@ class WarnOnce:
         logger.warning("%s", message)
         return True
 
+    def forget(self) -> None:
+        """Say every message again once (tests)."""
+        with self._lock:
+            self._said.clear()
+
 
 WARN_ONCE = WarnOnce()
 

@@ -177,6 +177,9 @@ class StatsSnapshot:
     # Why a connection whose probe was given up could not be watched for a late answer (the transport gave no
     # socket to duplicate): false alarms then go uncounted. None while every given-up connection was watched.
     late_answers_unseen: str | None = None
+    # Why this guard saw no request although its client was used: the client sent through transports of its own
+    # (httpx's proxy= mounts one); None otherwise. Worked out when the transport closes without a request.
+    bypassed: str | None = None
     # The connection strategy in force per origin ("close (a loopback address: ...)"; GuardPolicy.connection).
     connection_strategies: dict[str, str] = field(default_factory=dict)
 
@@ -211,6 +214,7 @@ class StatsSnapshot:
         data["public_path"] = self.public_path
         data["probing_off"] = self.probing_off
         data["late_answers_unseen"] = self.late_answers_unseen
+        data["bypassed"] = self.bypassed
         data["connection_strategies"] = dict(self.connection_strategies)
         return data
 
@@ -230,6 +234,7 @@ class GuardStats:
         self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
         self.late_answers_unseen: str | None = None  # set when a given-up connection cannot be watched; ditto
         self.connection_strategies: dict[str, str] = {}  # origin -> its connection strategy; see StatsSnapshot
+        self.bypassed: str | None = None  # set when a closing transport finds its client sent round it; ditto
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
         self._by_origin: dict[tuple[str, Origin], GuardStats] = {}
         self.reset()
@@ -363,6 +368,7 @@ class GuardStats:
                 probing_off=self.probing_off,
                 late_answers_unseen=self.late_answers_unseen,
                 connection_strategies=dict(self.connection_strategies),
+                bypassed=self.bypassed,
             )
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ import tenacity
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is
 from .._core.late_answers import GivenUpWatches, WatchedConnection
-from .._core.log import STALL_LOG, logger
+from .._core.log import STALL_LOG, WARN_ONCE, logger
 from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
@@ -31,6 +31,7 @@ from .attempts import FirstAttempt, RequestRun, request_body
 from .exceptions import ProbeError, ProbeTimeout
 from .internals import (
     KEEPALIVE_EXPIRY,
+    bypassing_mounts,
     cap_keepalive_expiry,
     check_versions,
     fix_pool_race,
@@ -122,6 +123,7 @@ class GuardTransport(httpx.BaseTransport):
         else:
             self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
         self._hooked = pool is not None
+        self._used = False  # a request came: the client does send through this transport
         # How the wrapped transport connects: through a Unix socket (a new connection costs no round trip), and
         # whether HTTP/2 may carry a request (no Connection: close there; h2c with prior knowledge: no probe).
         self._http1, self._http2 = http_versions(self._transport)
@@ -160,11 +162,30 @@ class GuardTransport(httpx.BaseTransport):
         return self
 
     def close(self) -> None:
+        if not self._used:
+            self._say_if_bypassed()
         self._given_up.end_all()
         STALL_LOG.flush()
         self._transport.close()
 
+    def _say_if_bypassed(self) -> None:
+        """Closed without a request: if its client mounted transports of its own (``proxy=``), they sent round the
+        guard. Said once per process, and in ``stats.bypassed``."""
+        patterns = bypassing_mounts(self)
+        if not patterns:
+            return
+        self.stats.bypassed = (
+            f"the client mounted its own transports for {', '.join(patterns)} (proxy= or mounts=), which send its "
+            "requests round this guard"
+        )
+        WARN_ONCE.warning(
+            f"llama_guard: {type(self).__name__} saw no request: {self.stats.bypassed}. Guard the client with "
+            "llama_guard.guard(client) (it wraps the mounted transports too), or mount the guard: "
+            "mounts={'all://': GuardTransport(httpx.HTTPTransport(proxy=...))}"
+        )
+
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self._used = True
         origin = None
         if not self._every_origin:
             origin = Origin.of_url(request.url)

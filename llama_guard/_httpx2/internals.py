@@ -35,6 +35,7 @@ __all__ = [
     "check_versions",
     "client_transports",
     "fix_pool_race",
+    "bypassing_mounts",
     "hookable_pool",
     "http_versions",
     "pool_speaks_http1",
@@ -118,6 +119,21 @@ def http_versions(transport: Any) -> tuple[bool, bool]:
 def pool_speaks_http1(pool: Any) -> bool:
     """False for a pool that speaks HTTP/2 only (``http1=False``: h2c with prior knowledge, or h2 over TLS)."""
     return bool(getattr(pool, "_http1", True))
+
+
+def bypassing_mounts(transport: Any) -> list[str]:
+    """The URL patterns of a client whose ``_transport`` is ``transport`` but which sends through transports of its
+    own mounted for them (``proxy=``, ``mounts=``): requests that match go round ``transport``. Looks for the client
+    among ``transport``'s referrers (a walk of the heap: only for a transport that never saw a request)."""
+    import gc
+
+    patterns: list[str] = []
+    for referrer in gc.get_referrers(transport):
+        if isinstance(referrer, (httpx.Client, httpx.AsyncClient)) and client_transports(referrer)[0] is transport:
+            for pattern, mounted in client_transports(referrer)[1].items():
+                if mounted is not None and mounted is not transport:
+                    patterns.append(str(getattr(pattern, "pattern", pattern)))
+    return patterns
 
 
 def network_backend(pool: Any) -> Any:

@@ -1,0 +1,59 @@
+"""A guard given as ``transport=`` to a client that also has ``proxy=`` never sees a request (httpx mounts its own
+proxy transport for every URL): said once, and in ``stats.bypassed``, when the client closes."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import pytest
+
+import llama_guard
+from llama_guard._core.log import WARN_ONCE
+
+# A proxy address nothing listens on: no request is sent in these tests, only the client's set-up is looked at.
+PROXY = "http://127.0.0.1:9"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings() -> None:
+    WARN_ONCE.forget()
+
+
+def test_a_proxied_client_that_bypasses_the_guard_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """transport=GuardTransport() with proxy=: closing the client says the guard was bypassed, and stats too."""
+    guard = llama_guard.GuardTransport()
+    with caplog.at_level(logging.WARNING, logger="llama_guard"), httpx.Client(transport=guard, proxy=PROXY):
+        pass
+    assert guard.stats.bypassed is not None and "all://" in guard.stats.bypassed
+    assert any("saw no request" in r.getMessage() and "guard(client)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_the_async_guard_says_it_too(caplog: pytest.LogCaptureFixture) -> None:
+    """The same for AsyncGuardTransport."""
+    guard = llama_guard.AsyncGuardTransport()
+    with caplog.at_level(logging.WARNING, logger="llama_guard"):
+        async with httpx.AsyncClient(transport=guard, proxy=PROXY):
+            pass
+    assert guard.stats.bypassed is not None
+    assert any("saw no request" in r.getMessage() for r in caplog.records)
+
+
+def test_an_unused_client_without_proxy_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """Control: a client that simply made no request is not a bypass."""
+    guard = llama_guard.GuardTransport()
+    with caplog.at_level(logging.WARNING, logger="llama_guard"), httpx.Client(transport=guard):
+        pass
+    assert guard.stats.bypassed is None
+    assert not [r for r in caplog.records if "saw no request" in r.getMessage()]
+
+
+def test_guard_of_a_proxied_client_wraps_the_proxy_transport() -> None:
+    """guard(client) wraps the mounted proxy transport: nothing is bypassed."""
+    client = llama_guard.guard(httpx.Client(proxy=PROXY))
+    try:
+        mounted = list(client._mounts.values())
+        assert mounted and all(isinstance(t, llama_guard.GuardTransport) for t in mounted)
+    finally:
+        client.close()
