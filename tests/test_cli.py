@@ -52,6 +52,8 @@ def test_demo_command_exits_zero_and_prints_the_table(capsys: pytest.CaptureFixt
     assert main(["demo", "--requests", "100", "--clients", "8", "--seconds", "1"]) == 0
     out = capsys.readouterr().out
     assert "The guard lost 0 and left 0 stuck" in out
+    # The choice the guard made for the emulator's origin (GuardPolicy.connection="auto" on loopback).
+    assert re.search(r"connection strategy .* for the emulator at http://127\.0\.0\.1:\d+: close \(", out), out
     assert "Next: guard your own client" in out
 
 

@@ -36,7 +36,7 @@ CHAT = "/v1/chat/completions"
 THINK_TIME = 0.1
 #: A request of the proxy-like load with no answer within this many seconds counts as stuck (the emulator answers
 #: in milliseconds; httpcore's pool race can leave a plain client's request waiting for its whole timeout).
-STUCK_AFTER = 2.0
+STUCK_AFTER = 1.0
 #: A burst client sends no new request this close to the end of its run, so that only a connection that was never
 #: answered can end the run with a request unanswered.
 LAST_REQUEST_MARGIN = 0.5
@@ -55,7 +55,8 @@ def _proxy_load(guarded: bool, requests: int) -> DemoRow:
     limits = httpx.Limits(max_connections=4, max_keepalive_connections=4, keepalive_expiry=4.0)
     with LlamaServerEmulator(stream_close="on_reuse", parallel=8, n_tokens=4) as server:
         inner = httpx.HTTPTransport(limits=limits)
-        transport: httpx.BaseTransport = GuardTransport(inner) if guarded else inner
+        guard = GuardTransport(inner) if guarded else None
+        transport: httpx.BaseTransport = guard if guard is not None else inner
         with httpx.Client(transport=transport, base_url=server.url, timeout=10.0) as client:
             proxy_load(
                 client,
@@ -67,6 +68,8 @@ def _proxy_load(guarded: bool, requests: int) -> DemoRow:
                 progress=sys.stderr,
                 stuck_after=STUCK_AFTER,
             )
+        if guard is not None:
+            row.connections = dict(guard.stats.snapshot().connection_strategies)
     return row
 
 
@@ -162,7 +165,7 @@ def format_table(rows: list[DemoRow]) -> str:
     return "\n".join(rendered)
 
 
-def demo_rows(*, requests: int = 600, clients: int = 32, seconds: float = 3.0) -> list[DemoRow]:
+def demo_rows(*, requests: int = 600, clients: int = 32, seconds: float = 2.5) -> list[DemoRow]:
     """Run both scenarios with plain httpx and the guard, reporting progress on stderr."""
     steps: list[tuple[str, Callable[[], DemoRow]]] = [
         ("proxy-like load, plain httpx", lambda: _proxy_load(False, requests)),
@@ -184,7 +187,7 @@ NEXT_STEP = (
 )
 
 
-def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 3.0, out: TextIO | None = None) -> int:
+def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 2.5, out: TextIO | None = None) -> int:
     """Print the demo's table (to ``out``, default stdout); 0 when the guard lost nothing and left nothing stuck."""
     out = out if out is not None else sys.stdout
     started = time.monotonic()
@@ -193,12 +196,18 @@ def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 3.0, ou
     print(format_table(rows), file=out)
     lost = sum(row.errors for row in rows if row.client == "guard")
     stuck = sum(row.stuck for row in rows if row.client == "guard")
+    chosen = {origin: choice for row in rows for origin, choice in row.connections.items()}
+    strategy = "".join(
+        f"\nThe guard's connection strategy (GuardPolicy(connection='auto'), the default) for the emulator at "
+        f"{origin}: {choice}."
+        for origin, choice in chosen.items()
+    )
     print(
         f"\n{LOST}: requests that failed with an error (written to a connection the server then closed).\n"
         f"{STUCK}: requests with no answer: within {STUCK_AFTER:g} s in the proxy-like load (the emulator answers in "
         f"milliseconds), or during the whole {seconds:g} s burst run (a new connection's first request, left unread)."
         f"\nThe guard lost {lost} and left {stuck} {STUCK} ({time.monotonic() - started:.0f} s on the built-in "
-        f"emulator of llama-server b11434).\n\n{NEXT_STEP}",
+        f"emulator of llama-server b11434).{strategy}\n\n{NEXT_STEP}",
         file=out,
     )
     return 0 if lost == stuck == 0 else 1

@@ -42,6 +42,9 @@ class LoadRow:
     stuck_after: float | None = None
     #: Requests sent and not finished yet.
     in_flight: int = 0
+    #: For a guarded client: the connection strategy the guard chose per origin, and why
+    #: (``GuardStats.connection_strategies``).
+    connections: dict[str, str] = field(default_factory=dict)
     first_bytes: list[float] = field(default_factory=list)
     #: Failures by kind: the httpx exception's name and message, or ``HTTP 503`` for an error answer.
     error_kinds: dict[str, int] = field(default_factory=dict)

@@ -67,7 +67,7 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     )
     demo.add_argument("--requests", type=_positive_int, default=600, help="requests in the proxy-like load (600)")
     demo.add_argument("--clients", type=_positive_int, default=32, help="connections in the burst (32)")
-    demo.add_argument("--seconds", type=_positive_float, default=3.0, help="length of each burst run (3)")
+    demo.add_argument("--seconds", type=_positive_float, default=2.5, help="length of each burst run (2.5)")
     demo.add_argument("-v", "--verbose", action="store_true", help="show the guard's warnings as it recovers")
     return demo
 
