@@ -25,7 +25,8 @@ def test_a_proxied_client_that_bypasses_the_guard_is_said(caplog: pytest.LogCapt
     guard = llama_guard.GuardTransport()
     with caplog.at_level(logging.WARNING, logger="llama_guard"), httpx.Client(transport=guard, proxy=PROXY):
         pass
-    assert guard.stats.bypassed is not None and "all://" in guard.stats.bypassed
+    assert guard.stats.bypassed is not None
+    assert "all://" in guard.stats.bypassed
     assert any("saw no request" in r.getMessage() and "guard(client)" in r.getMessage() for r in caplog.records)
 
 
@@ -54,6 +55,7 @@ def test_guard_of_a_proxied_client_wraps_the_proxy_transport() -> None:
     client = llama_guard.guard(httpx.Client(proxy=PROXY))
     try:
         mounted = list(client._mounts.values())
-        assert mounted and all(isinstance(t, llama_guard.GuardTransport) for t in mounted)
+        assert mounted
+        assert all(isinstance(t, llama_guard.GuardTransport) for t in mounted)
     finally:
         client.close()
