@@ -58,10 +58,20 @@ def test_plain_httpx_loses_requests_after_streams(flavor: str, racy_server: Llam
     assert stats.completions_finished == ALTERNATING - LOST_AFTER_STREAMS  # the lost ones never ran
 
 
+#: Both connection strategies: the default ("auto", which is "close" on the emulator's loopback address: every
+#: request carries Connection: close) and "reuse" (keep-alive, where the stream mechanisms matter).
+STRATEGIES = pytest.mark.parametrize("connection", ["auto", "reuse"])
+
+
 @pytest.mark.parametrize("mode", ["close", "drop"])
-def test_guard_closes_stream_connections(flavor: str, mode: str, racy_server: LlamaServerEmulator) -> None:
-    """Connection: close (or dropping after the final chunk) means no stream connection is ever reused."""
-    policy = GuardPolicy(stream_mode=mode, max_attempts=1)  # no retries: the stream mechanism alone
+@STRATEGIES
+def test_guard_closes_stream_connections(
+    flavor: str, mode: str, connection: str, racy_server: LlamaServerEmulator
+) -> None:
+    """Connection: close (or dropping after the final chunk) means no stream connection is ever reused. Under the
+    close strategy every connection closes after its request, streamed or not."""
+    # No retries: the stream mechanism (or the close strategy) alone.
+    policy = GuardPolicy(connection=connection, stream_mode=mode, max_attempts=1)
     driver = run_scenario(flavor, alternate_streams, flavor, racy_server.url, True, policy, ALTERNATING)
     assert driver.errors == []
     stats = driver.stats
@@ -69,16 +79,31 @@ def test_guard_closes_stream_connections(flavor: str, mode: str, racy_server: Ll
     assert stats.retries == 0
     assert all(o.body.endswith(b"data: [DONE]\n\n") for o in driver.outcomes[1::2])
     results = [o.result for o in driver.outcomes]
-    assert all(r is not None and r.connection_closed == r.stream for r in results)
+    strategy = "close" if connection == "auto" else "reuse"
+    assert all(r is not None and r.connection == strategy for r in results)
+    if strategy == "close":
+        assert all(r is not None and r.connection_closed for r in results)
+    else:
+        assert all(r is not None and r.connection_closed == r.stream for r in results)
     server = racy_server.stats()
     assert (server.requests_dropped_after_stream, server.completions_finished) == (0, ALTERNATING)
 
 
-def test_retries_alone_recover_the_lost_requests(flavor: str, racy_server: LlamaServerEmulator) -> None:
-    """With the stream mechanism off, retrying the dead pooled connection recovers every request."""
-    policy = GuardPolicy(stream_mode="off")
+@STRATEGIES
+def test_retries_alone_recover_the_lost_requests(
+    flavor: str, connection: str, racy_server: LlamaServerEmulator
+) -> None:
+    """With the stream mechanism off, retrying the dead pooled connection recovers every request (reuse); under the
+    close strategy no connection outlives its request, so nothing is lost in the first place."""
+    policy = GuardPolicy(connection=connection, stream_mode="off")
     driver = run_scenario(flavor, alternate_streams, flavor, racy_server.url, True, policy, ALTERNATING)
     assert driver.errors == []
+    if connection == "auto":
+        assert driver.stats.retries == 0
+        assert [o.result.attempts for o in driver.outcomes] == [1] * ALTERNATING
+        stats = racy_server.stats()
+        assert (stats.requests_dropped_after_stream, stats.completions_finished) == (0, ALTERNATING)
+        return
     # Exactly the requests plain httpx loses were lost once and resent once, on a new connection.
     assert driver.stats.retries == LOST_AFTER_STREAMS
     assert [o.result.attempts for o in driver.outcomes] == [1, 1] + [2, 1] * (LOST_AFTER_STREAMS)
@@ -178,7 +203,8 @@ def test_burst_guarded_clients_replace_exactly_the_stalled_connections(
     stalled = clients - served
     # A healthy probe must not time out on a loaded machine (that would replace a good connection too); a stalled
     # one never answers, whatever the deadline. Replaced, not rescued by kicks (the default, tests/test_probe_kick.py).
-    policy = GuardPolicy(probe_timeout=1.0, probe_kick=False)
+    # connection="reuse": on loopback the default closes connections and probes none (test below).
+    policy = GuardPolicy(connection="reuse", probe_timeout=1.0, probe_kick=False)
     guarded = functools.partial(burst, timeout=30.0, policy=policy)
     drivers = run_scenario(flavor, guarded, flavor, server.url, server.port, True, clients)
     stats = server.stats()
@@ -191,6 +217,25 @@ def test_burst_guarded_clients_replace_exactly_the_stalled_connections(
     assert stats.connections_accepted == clients + stalled
     assert sum(d.stats.probes_sent for d in drivers) == clients + stalled
     assert stats.completions_started == len(outcomes), "a rescued request must not also run on the abandoned connection"
+    assert stats.requests_to(CHAT) == len(outcomes)
+
+
+def test_burst_under_the_close_strategy_waits_for_no_probe(flavor: str, stalling_server: LlamaServerEmulator) -> None:
+    """The default on loopback ("auto": close): no connection is probed, none replaced; a stalled connection's
+    request is read once a served connection closes, which under close is right after its one request. Every
+    request answered, and run once."""
+    server = stalling_server
+    clients = server.config.stall_burst or 0
+    guarded = functools.partial(burst, timeout=30.0, policy=GuardPolicy())
+    drivers = run_scenario(flavor, guarded, flavor, server.url, server.port, True, clients)
+    outcomes = [o for d in drivers for o in d.outcomes]
+    assert len(outcomes) == 2 * clients
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes if o.error]
+    assert all(o.result is not None and o.result.connection == "close" for o in outcomes)
+    assert sum(d.stats.probes_sent for d in drivers) == 0
+    assert sum(d.stats.stall_reconnects for d in drivers) == 0
+    stats = server.stats()
+    assert stats.completions_started == len(outcomes)
     assert stats.requests_to(CHAT) == len(outcomes)
 
 
