@@ -24,3 +24,8 @@ __all__ = [
     "instrument_opentelemetry",
     "register_prometheus",
 ]
+
+# Public classes present themselves as llama_guard.metrics.X (in reprs, tracebacks and docs).
+for _cls in (Metric, OpenTelemetryMetrics, PrometheusCollector):
+    _cls.__module__ = __name__
+del _cls

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import llama_guard
+import llama_guard.metrics
 from llama_guard import GuardPolicy, GuardStats, Origin
 from llama_guard._core.decisions import FailureKind, Progress, RequestKind, verdict_for_failure, verdict_for_status
 from llama_guard._core.origin_stats import COUNTS, OriginStats, StatsSet
@@ -483,6 +484,39 @@ def test_stats_of_a_client_install_guards_is_the_installation(server: LlamaServe
         with httpx.Client(base_url=server.url) as client:
             client.post(CHAT, json=chat())
             assert llama_guard.stats_of(client) is installation.stats is llama_guard.stats_of(installation)
+        # install() registers nothing: the collector reads every guard of the process, its own included.
+        families = scrape(PrometheusCollector())
+        origin = str(origin_of(server))
+        assert sample(families, "llama_guard_requests_total", stack="httpx", origin=origin) >= 1
     finally:
         llama_guard.uninstall()
     assert installation.stats.requests == 1
+
+
+def test_the_public_names_of_llama_guard_metrics() -> None:
+    import llama_guard.metrics
+
+    assert sorted(llama_guard.metrics.__all__) == [
+        "FIRST_BYTE_BUCKETS",
+        "METRICS",
+        "Metric",
+        "OpenTelemetryMetrics",
+        "PrometheusCollector",
+        "instrument_opentelemetry",
+        "register_prometheus",
+    ]
+    for name in llama_guard.metrics.__all__:
+        value = getattr(llama_guard.metrics, name)
+        if isinstance(value, type):
+            assert value.__module__ == "llama_guard.metrics", name
+
+
+def test_register_prometheus_registers_once() -> None:
+    """The collector describes its families without reading the counts; a second one in the same registry is
+    refused by prometheus_client as duplicated series."""
+    registry = CollectorRegistry()
+    collector = llama_guard.metrics.register_prometheus(registry)
+    with pytest.raises(ValueError, match="Duplicated timeseries"):
+        llama_guard.metrics.register_prometheus(registry)
+    registry.unregister(collector)
+    llama_guard.metrics.register_prometheus(registry)

@@ -149,6 +149,6 @@ class OpenTelemetryMetrics:
 def instrument_opentelemetry(
     meter_provider: Any = None, *, sources: Iterable[object] | None = None
 ) -> OpenTelemetryMetrics:
-    """Create the guard's instruments on ``meter_provider`` (default: the global one, ``opentelemetry.metrics.
-    get_meter_provider()``), reading ``sources`` (default: every guard of the process)."""
+    """Create the guard's instruments on ``meter_provider`` (default: the global one,
+    ``opentelemetry.metrics.get_meter_provider()``), reading ``sources`` (default: every guard of the process)."""
     return OpenTelemetryMetrics(meter_provider, sources=sources)
