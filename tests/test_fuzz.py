@@ -46,7 +46,7 @@ from llama_guard import GuardPolicy, Origin
 from llama_guard._core import stream_detection as wants_stream_module
 from llama_guard._core.decisions import parse_retry_after, wants_stream
 from llama_guard._core.origins import parse_origin
-from llama_guard._core.policy import per_request_fields
+from llama_guard._core.policy import MIN_DEADLINE, per_request_fields
 from llama_guard._core.stream_detection import top_level_stream_without_parse
 from llama_guard.testing import Fault, LlamaServerEmulator
 
@@ -103,8 +103,9 @@ _FLOAT_RANGE_INTS = st.integers(min_value=0, max_value=10**308)
 
 
 def _seconds(*, allow_zero: bool, allow_none: bool) -> st.SearchStrategy[Any]:
+    """``allow_zero=False``: a deadline, at least `MIN_DEADLINE`."""
     numbers = st.one_of(
-        st.floats(min_value=0.0, allow_nan=False, allow_infinity=False, exclude_min=not allow_zero),
+        st.floats(min_value=0.0 if allow_zero else MIN_DEADLINE, allow_nan=False, allow_infinity=False),
         _FLOAT_RANGE_INTS.filter(lambda n: allow_zero or n > 0),
     )
     return numbers | st.none() if allow_none else numbers
@@ -112,8 +113,8 @@ def _seconds(*, allow_zero: bool, allow_none: bool) -> st.SearchStrategy[Any]:
 
 def _bad_seconds(*, allow_zero: bool, allow_none: bool) -> st.SearchStrategy[Any]:
     bad: list[st.SearchStrategy[Any]] = [
-        # (-0.0 is zero: a valid value where zero is)
-        st.floats(max_value=-1e-300 if allow_zero else 0.0, allow_nan=False, allow_infinity=False),
+        # (-0.0 is zero: a valid value where zero is; a deadline is at least MIN_DEADLINE)
+        st.floats(max_value=-1e-300 if allow_zero else MIN_DEADLINE, exclude_max=not allow_zero, allow_nan=False),
         st.integers(max_value=-1 if allow_zero else 0),
         st.sampled_from([math.nan, math.inf, -math.inf, True, False]),
         st.text(max_size=8),
@@ -149,11 +150,14 @@ _BAD_ORIGIN_TEXT = st.one_of(
     st.builds(lambda host: f"http://user:pw@{host}", _HOSTS),
     st.builds(lambda host, port: f"http://{host}:{port}", _HOSTS, st.integers(min_value=65536, max_value=10**9)),
     st.builds(lambda host: f"http://{host}:port", _HOSTS),
-    st.sampled_from(["", "http://", "http://[::1", "127.0.0.1:8080", "localhost", "//host:1"]),
+    st.builds(lambda host: f"http://{host}:0", _HOSTS),
+    st.builds(lambda host, char: f"http://{host}{char}x:1", _HOSTS, st.sampled_from(' \t\n\x00!/?#@<>"{}|\\^`')),
+    st.sampled_from(["", "http://", "http://[::1", "127.0.0.1:8080", "localhost", "//host:1", "http://exa mple"]),
 )
 _BAD_ORIGINS = st.one_of(
     st.text(max_size=20).filter(lambda text: text not in ("all", "auto")),
     st.just([]),
+    st.dictionaries(_VALID_ORIGIN_TEXT, st.booleans(), min_size=1, max_size=2),  # a dict's keys are not a list
     st.lists(_BAD_ORIGIN_TEXT, min_size=1, max_size=2),
     st.tuples(_VALID_ORIGIN_TEXT, _BAD_ORIGIN_TEXT).map(list),
     st.lists(st.one_of(st.integers(), st.none(), st.binary(max_size=4)), min_size=1, max_size=2),
@@ -162,6 +166,7 @@ _BAD_ORIGINS = st.one_of(
 
 VALID: dict[str, st.SearchStrategy[Any]] = {
     "origins": _VALID_ORIGINS,
+    "connection": st.sampled_from(["auto", "close", "reuse"]),
     "stream_mode": st.sampled_from(["close", "drop", "off"]),
     "first_byte_timeout": _seconds(allow_zero=False, allow_none=True),
     "probe": st.booleans(),
@@ -179,11 +184,16 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "backoff": _seconds(allow_zero=True, allow_none=False),
     "backoff_max": _seconds(allow_zero=True, allow_none=False),
     "max_retry_after": _seconds(allow_zero=True, allow_none=False),
+    "max_loading_wait": _seconds(allow_zero=True, allow_none=False),
     "retry_non_idempotent": st.booleans(),
 }
 _NOT_BOOL = st.one_of(st.integers(), st.text(max_size=5), st.none(), st.floats(allow_nan=False), st.lists(st.none()))
 INVALID: dict[str, st.SearchStrategy[Any]] = {
     "origins": _BAD_ORIGINS,
+    "connection": st.one_of(
+        st.text(max_size=10).filter(lambda text: text not in ("auto", "close", "reuse")),
+        st.sampled_from(["Close", "AUTO", None, 0, b"reuse"]),
+    ),
     "stream_mode": st.one_of(
         st.text(max_size=10).filter(lambda text: text not in ("close", "drop", "off")),
         st.sampled_from(["Close", "CLOSE", " close", None, 0, b"close", ("close",)]),
@@ -213,6 +223,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "backoff": _bad_seconds(allow_zero=True, allow_none=False),
     "backoff_max": _bad_seconds(allow_zero=True, allow_none=False),
     "max_retry_after": _bad_seconds(allow_zero=True, allow_none=False),
+    "max_loading_wait": _bad_seconds(allow_zero=True, allow_none=False),
     "retry_non_idempotent": _NOT_BOOL,
 }
 FIELDS = [field.name for field in dataclasses.fields(GuardPolicy)]

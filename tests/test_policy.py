@@ -30,7 +30,9 @@ def test_keyword_only_and_frozen() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [
-        ("first_byte_timeout", -1, "first_byte_timeout must be a number of seconds > 0"),
+        ("first_byte_timeout", -1, "first_byte_timeout must be a number of seconds >= 0.001"),
+        ("first_byte_timeout", 1e-9, "first_byte_timeout must be a number of seconds >= 0.001 (1 ms, the resolution"),
+        ("first_byte_timeout", 0.0009, "expires on every attempt"),
         ("first_byte_timeout", 0, "first_byte_timeout"),
         ("first_byte_timeout", math.nan, "first_byte_timeout"),
         ("first_byte_timeout", math.inf, "first_byte_timeout"),
@@ -44,9 +46,21 @@ def test_keyword_only_and_frozen() -> None:
         ("origins", [], "at least one origin"),
         ("origins", ["ftp://x"], "origins: 'ftp://x' is not an origin"),
         ("origins", ["http://x:1/v1"], "give only scheme, host and port"),
-        ("origins", ["http://x:99999"], "not a valid origin"),
+        ("origins", ["http://x:99999"], "the port must be a whole number from 1 to 65535, not '99999'"),
+        ("origins", ["http://x:0"], "the port must be a whole number from 1 to 65535, not '0'"),
+        ("origins", ["http://exa mple"], "'http://exa mple' is not a valid origin: it holds a space"),
+        ("origins", ["http://exa\tmple:1"], "holds a space or a control character"),
+        ("origins", ["http://ex<a>mple"], "the host 'ex<a>mple' may hold only letters, digits"),
+        ("origins", ["http://[::zz]:1"], "'http://[::zz]:1' is not a valid origin"),
+        (
+            "origins",
+            {"http://x:1": True},
+            "origins must be a list of origins such as ['http://127.0.0.1:8080'], not a dict",
+        ),
         ("probe", 1, "probe must be True or False"),
         ("probe_timeout", 0, "probe_timeout"),
+        ("probe_timeout", 1e-6, "probe_timeout must be a number of seconds >= 0.001"),
+        ("probe_timeout_max", 0.0001, "probe_timeout_max must be a number of seconds >= 0.001"),
         ("probe_timeout_max", 0.1, "probe_timeout_max must be >= probe_timeout"),
         ("backoff", -0.1, "backoff must be a number of seconds >= 0"),
         ("backoff_max", None, "backoff_max"),
@@ -58,7 +72,7 @@ def test_keyword_only_and_frozen() -> None:
         ("probe_learning_factor", 0.5, "probe_learning_factor must be a number from 1 to 1000"),
         ("probe_learning_factor", math.nan, "probe_learning_factor"),
         ("probe_learning_factor", True, "probe_learning_factor"),
-        ("probe_timeout_min", 0, "probe_timeout_min must be a number of seconds > 0"),
+        ("probe_timeout_min", 0, "probe_timeout_min must be a number of seconds >= 0.001"),
         ("connect_admission", "sometimes", "connect_admission must be one of 'after_stall', 'always', 'off'"),
     ],
 )
@@ -67,6 +81,15 @@ def test_bad_values_name_the_field_and_the_range(field: str, value: object, word
     with pytest.raises(ValueError) as info:
         GuardPolicy(**{field: value})
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("field", ["first_byte_timeout", "probe_timeout", "probe_timeout_min"])
+def test_the_shortest_deadline_is_accepted(field: str) -> None:
+    """1 ms is the floor, inclusive; an override below it is refused like the field itself."""
+    policy = GuardPolicy(**{field: 0.001})
+    assert getattr(policy, field) == 0.001
+    with pytest.raises(ValueError, match=f"^{field} must be a number of seconds >= 0.001"):
+        GuardPolicy().merged({field: 0.0005})
 
 
 def test_origins_are_normalised() -> None:

@@ -5,6 +5,7 @@ Sans-I/O: nothing here knows about httpx; transports hand in the parts of a URL 
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -49,16 +50,50 @@ def parse_origin(text: object) -> Origin:
     """``"http://127.0.0.1:8080"`` -> `Origin`; anything that is not a bare http(s) origin raises `ValueError`."""
     if not isinstance(text, str):
         raise ValueError(f"an origin is a string such as 'http://127.0.0.1:8080'; got {text!r}")
+    stripped = text.strip()
+    if any(char.isspace() or not char.isprintable() for char in stripped):
+        # urlsplit() would silently drop a tab or a newline from the middle ("http://exa\tmple" -> "example").
+        raise ValueError(
+            f"{text!r} is not a valid origin: it holds a space or a control character; "
+            "expected 'http://host[:port]' or 'https://host[:port]'"
+        )
     try:
-        parts = urlsplit(text.strip())
-        port = parts.port
+        parts = urlsplit(stripped)
     except ValueError as exc:
         raise ValueError(f"{text!r} is not a valid origin ({exc})") from None
     if parts.scheme.lower() not in _DEFAULT_PORTS or not parts.hostname:
         raise ValueError(f"{text!r} is not an origin; expected 'http://host[:port]' or 'https://host[:port]'")
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
         raise ValueError(f"{text!r} is not an origin: give only scheme, host and port, e.g. 'http://127.0.0.1:8080'")
-    return Origin.of(parts.scheme, parts.hostname, port)
+    _check_host(text, parts.hostname)
+    return Origin.of(parts.scheme, parts.hostname, _port(text, parts.netloc.rpartition("]")[2]))
+
+
+def _check_host(text: str, host: str) -> None:
+    """A DNS name or an IPv4 address: letters, digits, '-', '_' and '.'; or an IPv6 address in brackets."""
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a valid origin: {host!r} is not an IPv6 address") from None
+    elif not all(char.isalnum() or char in "-_." for char in host):
+        raise ValueError(
+            f"{text!r} is not a valid origin: the host {host!r} may hold only letters, digits, '-', '_' and '.' "
+            "(or be an IPv6 address in brackets)"
+        )
+
+
+def _port(text: str, after_host: str) -> int | None:
+    """The port after the host (``":8080"``), None when absent; from 1 to 65535 (0 is no port a server listens on)."""
+    _, colon, digits = after_host.rpartition(":")
+    if not colon or not digits:
+        return None
+    port = int(digits) if digits.isascii() and digits.isdigit() else -1
+    if not 1 <= port <= 65535:
+        raise ValueError(
+            f"{text!r} is not a valid origin: the port must be a whole number from 1 to 65535, not {digits!r}"
+        )
+    return port
 
 
 def identifies_as_llama_server(headers: Mapping[str, str]) -> bool:
