@@ -49,6 +49,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -78,6 +79,7 @@ from reliability import (
     Block,
     Outcome,
     drive_burst,
+    error_breakdown,
     fresh_server,
     guard_counters,
     one_request,
@@ -565,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
         "loopback one; off: the relay listens on 127.0.0.1 (the guard's 'auto' then always sees loopback)",
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the pictures (default docs/img)")
+    parser.add_argument("--save", type=Path, help="also save every block's results to this JSON file")
+    parser.add_argument("--report", type=Path, help="run nothing: print the report of results saved by --save")
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     trips = [t.strip() for t in args.round_trips.split(",")]
@@ -576,6 +580,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 1 or args.seconds <= 0 or args.requests < PROXY_THREADS:
         parser.error(f"--runs >= 1, --seconds > 0, --requests >= {PROXY_THREADS}")
 
+    if args.report:
+        saved, meta = load(args.report)
+        report(saved, meta, args.out)
+        return 0
     if args.netns == "auto":
         code = reexec_in_netns(argv)
         if code is not None:
@@ -635,12 +643,35 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(result)
     if hasattr(os, "getloadavg"):
         print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min) {os.getloadavg()[1]:.2f} (5 min)")
+    meta = {"hogs": args.hogs, "seconds": args.seconds, "scenarios": scenarios, "trips": trips}
+    if args.save:
+        args.save.write_text(json.dumps({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}))
+        print(f"saved {len(results)} blocks to {args.save}")
+    report(results, meta, args.out)
+    print(f"\n({time.monotonic() - started:.0f} s)")
+    return 0
+
+
+def load(path: Path) -> tuple[list[Result], dict[str, Any]]:
+    """Results saved by ``--save``."""
+    data = json.loads(path.read_text())
+    results = []
+    for item in data["results"]:
+        block = dict(item.pop("block"))
+        block["outcomes"] = [Outcome(**o) for o in block["outcomes"]]
+        results.append(Result(block=Block(**block), **item))
+    return results, data["meta"]
+
+
+def report(results: Sequence[Result], meta: dict[str, Any], out: Path) -> None:
+    """The tables, pictures and checks of one set of results."""
+    scenarios, trips, hogs, seconds = meta["scenarios"], meta["trips"], meta["hogs"], meta["seconds"]
     print()
     conditions = {
         "proxy-like": "server with default flags (--parallel 4), nothing else running beside it",
-        "burst": f"--threads-http 4, {args.hogs} CPU-bound processes beside the server",
+        "burst": f"--threads-http 4, {hogs} CPU-bound processes beside the server",
         "saturated": f"--threads-http 4 --parallel {SATURATE_SLOTS}, every slot generating {SATURATE_TOKENS}-token "
-        f"completions, {args.hogs} CPU-bound processes beside the server",
+        f"completions, {hogs} CPU-bound processes beside the server",
     }
     for scenario in scenarios:
         print(f"{SCENARIO_TEXT[scenario]}:")
@@ -657,9 +688,9 @@ def main(argv: list[str] | None = None) -> int:
                 results,
                 scenario,
                 names,
-                args.out / f"alternatives_{scenario.replace('-', '_')}.png",
+                out / f"alternatives_{scenario.replace('-', '_')}.png",
                 conditions[scenario],
-                args.seconds,
+                seconds,
             )
         )
         print()
@@ -696,8 +727,11 @@ def main(argv: list[str] | None = None) -> int:
         for trip_key in trips:
             print("\n".join(checks(results, scenario, ROUND_TRIPS[trip_key].name)))
     print("\n".join(floor_check(results)))
-    print(f"\n({time.monotonic() - started:.0f} s)")
-    return 0
+    errors = error_breakdown([dataclasses.replace(r.block, scenario=f"{r.scenario}, {r.trip}") for r in results])
+    if errors:
+        print()
+        print("Errors by kind (lost requests; the guard's own classes name the httpx class they stand for):")
+        print("\n".join(errors))
 
 
 if __name__ == "__main__":
