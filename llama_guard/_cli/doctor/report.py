@@ -5,7 +5,7 @@ depend on; ``check_report_path`` says so before any check runs, not after a minu
 
 Two charts: the burst (each connection's first byte, in connect order; a connection that got nothing within the
 window is a cross at the top) and the pooled load (each request's first byte over time, plain httpx and the
-guard; a lost request is a cross at the top).
+guard; a lost or stuck request is a cross at the top).
 """
 
 from __future__ import annotations
@@ -89,7 +89,9 @@ def _charts(run: DoctorRun) -> list[_Chart]:
                 "time since the load began",
                 tuple(
                     _Series(
-                        f"{row.client}: {row.errors} of {row.requests} lost",
+                        f"{row.client}: {row.errors} lost"
+                        + (f", {row.stuck} stuck" if row.stuck else "")
+                        + f" of {row.requests}",
                         tuple((at, first) for at, first, _ in row.timeline),
                     )
                     for row in loads
