@@ -71,20 +71,22 @@ class Client:
         self.pool = self.client._transport._pool
         self._portal = portal
 
-    def exchange(self, url: str) -> list[bool]:
-        """A plain and a streamed completion, then a health check; whether each came back through the guard."""
+    def exchange(self, url: str, first: str = "plain") -> list[bool]:
+        """A plain and a streamed completion (the stream first if ``first="stream"``), then a health check; whether
+        each came back through the guard."""
+        requests = REQUESTS if first == "plain" else (REQUESTS[1], REQUESTS[0], REQUESTS[2])
         if self._portal is not None:
-            return self._portal.call(self._async_exchange, url)
+            return self._portal.call(self._async_exchange, url, requests)
         guarded = []
-        for method, path, body in REQUESTS:
+        for method, path, body in requests:
             with self.client.stream(method, url + path, json=body) as response:
                 response.read()
                 guarded.append("llama_guard" in response.extensions)
         return guarded
 
-    async def _async_exchange(self, url: str) -> list[bool]:
+    async def _async_exchange(self, url: str, requests: tuple[Any, ...]) -> list[bool]:
         guarded = []
-        for method, path, body in REQUESTS:
+        for method, path, body in requests:
             async with self.client.stream(method, url + path, json=body) as response:
                 await response.aread()
                 guarded.append("llama_guard" in response.extensions)
@@ -173,3 +175,20 @@ def test_a_new_installation_puts_the_old_ones_changes_back(racy_server: LlamaSer
         assert idle_pool_state(pool) != before
         llama_guard.uninstall()
         assert idle_pool_state(pool) == before
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_auto_mode_drops_the_first_streams_connection(
+    library: str, flavor: str, racy_server: LlamaServerEmulator
+) -> None:
+    """In "auto" mode an origin's first response goes through unguarded; when it is a stream that says it is
+    llama.cpp, its connection is still dropped, so the next request on the pool is not written to a dying one."""
+    installation = llama_guard.install()
+    with plain_client(library, flavor) as client:
+        guarded = client.exchange(racy_server.url, first="stream")
+    assert guarded == [False, True, True]  # the stream taught the origin; the rest went through the guard
+    assert racy_server.stats().requests_dropped_after_stream == 0
+    snapshot = installation.stats.snapshot()
+    assert snapshot.stream_connections_closed == 1
+    assert snapshot.passthrough == 1

@@ -147,7 +147,9 @@ class Installation:
         ):
             guard = self._guard_for(instance, target, original)
             if guard is not None:
-                guard._drop_after_stream(response)  # the guard's own rule for which streams it can drop
+                # The guard's own rule for which streams it can drop (not HTTP/2), counted in the origin's account
+                # as its own pass-through does (STACK there is the library's name).
+                guard._drop_after_stream(response, self.stats.of_origin(target.module, origin))
         return response
 
     def _release(self) -> None:
