@@ -46,11 +46,11 @@ def chat(stream: bool) -> dict[str, object]:
     return {"messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": 2}
 
 
-def sync_exchange(client: httpx.Client) -> list[bool]:
+def sync_exchange(client: httpx.Client, *, stream_first: bool = False) -> list[bool]:
     """Alternate plain and streamed completions on one pooled client; for each, whether the guard answered it."""
     guarded = []
     for index in range(REQUESTS):
-        with client.stream("POST", CHAT, json=chat(stream=index % 2 == 1)) as response:
+        with client.stream("POST", CHAT, json=chat(stream=index % 2 == (0 if stream_first else 1))) as response:
             response.read()
             check(response.status_code == 200, f"request {index} answered {response.status_code}")
             guarded.append("llama_guard" in response.extensions)
@@ -94,8 +94,9 @@ async def _async_client_exchange(url: str) -> list[bool]:
 def install_auto(url: str) -> None:
     installation = llama_guard.install()
     with httpx.Client(base_url=url) as client:
-        guarded = sync_exchange(client)
-    # The first response is how the server says it is llama.cpp; every later one is guarded.
+        guarded = sync_exchange(client, stream_first=True)
+    # The first response (a stream: its connection must still be dropped) is how the server says it is llama.cpp;
+    # every later one is guarded.
     check(guarded == [False] + [True] * (REQUESTS - 1), f"install() in auto mode guarded {guarded}")
     check(len(installation.known_origins()) == 1, "install() in auto mode learnt no origin")
     llama_guard.uninstall()
