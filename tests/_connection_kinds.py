@@ -11,7 +11,8 @@ manager:
 - `HttpProxy`: an HTTP proxy: plain forwarding for ``http://`` (absolute-form requests rewritten to origin form, each
   downstream connection pinned to one upstream connection, so the upstream's connection faults reach the client as
   they would directly) and ``CONNECT`` tunnels for ``https://``;
-- `Socks5Proxy`: a SOCKS5 proxy (no authentication, CONNECT only), a tunnel per connection;
+- `Socks5Proxy`: a SOCKS5 proxy (no authentication, CONNECT only), a tunnel per connection; both proxies can
+  route every target to one address (``route=``), for an origin the client reaches through the proxy only;
 - `H2Relay`: an HTTP/2 server, over TLS (ALPN ``h2``) or cleartext with prior knowledge (h2c), that sends each
   stream upstream as an HTTP/1.1 request on a new connection of its own (``Connection: close``), as a terminating
   reverse proxy does; a request with the header ``x-relay-hold: <tag>`` is answered only after
@@ -298,12 +299,27 @@ class UnixRelay(RelayServer):
             self._folder.cleanup()
 
 
-class HttpProxy(_TcpListener):
+class _Proxy(_TcpListener):
+    """A proxy that connects where the client asks, or, with ``route``, to ``route`` whatever the client asks: an
+    origin the client can reach through the proxy only (its own address refuses connections). ``asked`` lists the
+    ``host:port`` each client asked for."""
+
+    def __init__(self, route: tuple[str, int] | None = None) -> None:
+        super().__init__()
+        self._route = route
+        self.asked: list[str] = []
+
+    async def _connect_to(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        self.asked.append(f"{host}:{port}")
+        return await self._connect(*(self._route or (host, port)))
+
+
+class HttpProxy(_Proxy):
     """An HTTP proxy: forwards ``http://`` requests (each client connection pinned to one upstream connection) and
     tunnels ``CONNECT``. Counts what it did: ``forwarded`` requests and ``tunnels``."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, route: tuple[str, int] | None = None) -> None:
+        super().__init__(route)
         self.forwarded = 0
         self.tunnels = 0
 
@@ -316,7 +332,7 @@ class HttpProxy(_TcpListener):
         method, target, _ = head.split(b"\r\n", 1)[0].split(b" ", 2)
         if method == b"CONNECT":
             host, _, port = target.decode().rpartition(":")
-            upstream = await self._connect(host, int(port))
+            upstream = await self._connect_to(host, int(port))
             self.tunnels += 1
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
@@ -324,7 +340,7 @@ class HttpProxy(_TcpListener):
             return
         origin = urllib.parse.urlsplit(target.decode()).netloc
         host, _, port = origin.rpartition(":")
-        up_reader, up_writer = await self._connect(host, int(port or 80))
+        up_reader, up_writer = await self._connect_to(host, int(port or 80))
         try:
             await _first_of(_pump(up_reader, writer), self._forward(head, reader, up_writer, origin))
         finally:
@@ -373,7 +389,7 @@ async def _read_body(reader: asyncio.StreamReader, header_block: bytes) -> bytes
     return await reader.readexactly(int(fields.get(b"content-length", b"0")))
 
 
-class Socks5Proxy(_TcpListener):
+class Socks5Proxy(_Proxy):
     """A SOCKS5 proxy: no authentication, CONNECT only."""
 
     @property
@@ -398,7 +414,7 @@ class Socks5Proxy(_TcpListener):
         if command != 1:
             writer.write(b"\x05\x07\x00\x01" + bytes(6))  # command not supported
             return
-        upstream = await self._connect(host, port)
+        upstream = await self._connect_to(host, port)
         writer.write(b"\x05\x00\x00\x01" + bytes(6))
         await writer.drain()
         await self._splice((reader, writer), upstream)
