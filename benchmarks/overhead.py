@@ -12,7 +12,10 @@ for that median. A second bare client ("bare, control") is measured like the oth
 the noise alone does to a ratio in the same run. On these shared machines a block's ratio varies by 10 to 20%; the
 many blocks are what make the median precise to about 1%.
 
-The guard is the default policy (probe on, stream close on, no first-byte deadline). httpx-retries is configured
+The guard ("guard") is the default policy with the keep-alive strategy forced (``connection="reuse"``: probe on,
+stream close on, no first-byte deadline): the server is on loopback, where the default closes every connection, and
+that is measured apart: "guard close" (the default) against "bare close" (a bare client sending ``Connection:
+close``), a new connection per request on both sides. httpx-retries is configured
 to retry POST too (3 retries, 0.05 s backoff), as the guard retries llama-server's inference endpoints; with its
 default configuration it would not retry POST at all and would cost nothing to compare.
 
@@ -100,7 +103,12 @@ BODY: dict[str, Any] = {
 }
 TARGET = 1.03
 # "bare, control" is a second bare client: its ratio to bare is what noise alone does to a ratio.
-VARIANTS = ("bare", "bare, control", "guard", "httpx-retries")
+VARIANTS = ("bare", "bare, control", "guard", "httpx-retries", "bare close", "guard close")
+# "guard" is the keep-alive strategy, whose per-request cost is the target: the server here is on loopback, where
+# the default ("auto") closes every connection, which is measured apart against a bare client that sends
+# Connection: close too ("guard close" vs "bare close": a new connection per request on both sides).
+REUSE = llama_guard.GuardPolicy(connection="reuse")
+CLOSE_HEADERS = {"Connection": "close"}
 # The profile's own rounds (of the parts measured apart; the whole stack in memory takes 4x as many of 100).
 PROFILE_ROUNDS, PROFILE_REQUESTS = 30, 250
 # The guard's own default limits, for every variant alike (keep-alive expiry below llama-server's 5 s).
@@ -161,12 +169,16 @@ def sync_client(variant: str, url: str) -> httpx.Client:
     if variant in ("bare", "bare, control"):
         transport = inner
     elif variant == "guard":
-        transport = llama_guard.GuardTransport(inner)
+        transport = llama_guard.GuardTransport(inner, policy=REUSE)
     elif variant == "httpx-retries":
         transport = RetryTransport(transport=inner, retry=retry_config())
     elif variant == "bare+poolfix":  # profiling: the guard's pool-race fix alone
         fix_pool_race(inner)
         transport = inner
+    elif variant == "bare close":
+        return httpx.Client(transport=inner, base_url=url, headers=CLOSE_HEADERS)
+    elif variant == "guard close":
+        transport = llama_guard.GuardTransport(inner)  # the default: loopback, so close
     else:
         raise ValueError(variant)
     return httpx.Client(transport=transport, base_url=url)
@@ -178,9 +190,13 @@ def async_client(variant: str, url: str) -> httpx.AsyncClient:
     if variant in ("bare", "bare, control"):
         transport = inner
     elif variant == "guard":
-        transport = llama_guard.AsyncGuardTransport(inner)
+        transport = llama_guard.AsyncGuardTransport(inner, policy=REUSE)
     elif variant == "httpx-retries":
         transport = RetryTransport(transport=inner, retry=retry_config())
+    elif variant == "bare close":
+        return httpx.AsyncClient(transport=inner, base_url=url, headers=CLOSE_HEADERS)
+    elif variant == "guard close":
+        transport = llama_guard.AsyncGuardTransport(inner)  # the default: loopback, so close
     else:
         raise ValueError(variant)
     return httpx.AsyncClient(transport=transport, base_url=url)
@@ -228,7 +244,9 @@ async def measure_aiohttp(url: str, rounds: int, requests: int, warmup: int) -> 
     from llama_guard.aiohttp import guarded_session
 
     sessions = {
-        v: guarded_session(url) if v == "guard" else aiohttp.ClientSession(url, connector=aiohttp.TCPConnector())
+        v: guarded_session(url, policy=REUSE)
+        if v == "guard"
+        else aiohttp.ClientSession(url, connector=aiohttp.TCPConnector())
         for v in AIOHTTP_VARIANTS
     }
     try:
@@ -344,6 +362,7 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
                     ratio_cell(ratios(results, "guard", "bare")),
                     ratio_cell(ratios(results, "guard", "httpx-retries")) if retries else "-",
                     ratio_cell(ratios(results, "bare, control", "bare")),
+                    ratio_cell(ratios(results, "guard close", "bare close")) if "guard close" in results else "-",
                 ]
             )
     headers = [
@@ -355,6 +374,7 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
         "guard/bare (95% CI)",
         "guard/httpx-retries (95% CI)",
         "control/bare (95% CI)",
+        "guard close/bare close (95% CI)",
     ]
     return table(headers, rows, left=2)
 
@@ -618,11 +638,11 @@ def guard_alone(rounds: int, requests: int) -> tuple[Rounds, cProfile.Profile, f
     url = "http://127.0.0.1:8080"
     pooled_inner = PooledCannedTransport()
     fallback_inner = CannedTransport()
-    guarded = llama_guard.GuardTransport(pooled_inner)
+    guarded = llama_guard.GuardTransport(pooled_inner, policy=REUSE)
     variants: dict[str, httpx.BaseTransport] = {
         "canned": CannedTransport(),
         "guard(canned)": guarded,
-        "guard(canned, no pool)": llama_guard.GuardTransport(fallback_inner),
+        "guard(canned, no pool)": llama_guard.GuardTransport(fallback_inner, policy=REUSE),
     }
     for transport in variants.values():
         _time_direct(transport, _requests(url, 2000))
