@@ -232,7 +232,8 @@ def _summary(run: DoctorRun, exit_status: int) -> tuple[str, str]:
     affected = [item.defect for item in run.findings if item.status == AFFECTED]
     unknown = [item.defect for item in run.findings if item.status == COULD_NOT_TELL]
     if affected:
-        text = "affected: " + ", ".join(affected) + (f"; could not tell: {', '.join(unknown)}" if unknown else "")
+        text = "a client here is exposed: affected: " + ", ".join(affected)
+        text += f"; could not tell: {', '.join(unknown)}" if unknown else ""
         return text, _STATUS_COLOUR[AFFECTED]
     if unknown:
         return f"could not tell: {', '.join(unknown)} (nothing found, but not everything examined)", _STATUS_COLOUR[
