@@ -119,6 +119,9 @@ class RelayServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._started = threading.Event()
         self._failure: BaseException | None = None
+        #: Unexpected exceptions in the helper's own code (a bug of the helper, not a peer going away): `stop()`
+        #: raises when there are any.
+        self.errors: list[str] = []
         #: Downstream connections accepted (after the TLS handshake, for a TLS listener).
         self.accepted = 0
         #: Upstream connections opened.
@@ -151,6 +154,8 @@ class RelayServer:
                 raise RuntimeError(f"{type(self).__name__} did not stop within {LOOP_DEADLINE} s")
         if self._failure is not None:
             raise RuntimeError(f"{type(self).__name__} failed") from self._failure
+        if self.errors:
+            raise RuntimeError(f"{type(self).__name__} failed: {self.errors}")
 
     def __enter__(self) -> Any:
         return self.start()
@@ -197,8 +202,15 @@ class RelayServer:
             await self._handle(reader, writer)
         except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             pass  # a peer that went away or spoke nonsense: the connection ends
+        except Exception as exc:
+            self.errors.append(repr(exc))
         finally:
             self._close(writer)
+
+    def _record_failure(self, task: asyncio.Task[None]) -> None:
+        """A done callback: a task of the helper's that raised is one of its `errors`."""
+        if not task.cancelled() and task.exception() is not None:
+            self.errors.append(repr(task.exception()))
 
     def _close(self, writer: asyncio.StreamWriter) -> None:
         self._writers.discard(writer)
@@ -481,7 +493,7 @@ class H2Relay(_TcpListener):
                     for event in events:
                         if isinstance(event, h2.events.RequestReceived):
                             requests[event.stream_id] = (list(event.headers), bytearray())
-                        elif isinstance(event, h2.events.DataReceived):
+                        elif isinstance(event, h2.events.DataReceived) and event.stream_id in requests:
                             requests[event.stream_id][1].extend(event.data)
                             connection.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                         if getattr(event, "stream_ended", None) is not None and event.stream_id in requests:
@@ -491,6 +503,7 @@ class H2Relay(_TcpListener):
                             )
                             streams.add(task)
                             task.add_done_callback(streams.discard)
+                            task.add_done_callback(self._record_failure)
                     writer.write(connection.data_to_send())
                 await writer.drain()
         finally:

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -358,14 +359,16 @@ def test_stall_burst_rescued_or_said(kind: str, flavor: str, quiet_once: pytest.
     per transport at most, and a stats field, naming it; as many answers as plain), and no completion runs twice."""
     this = KINDS[kind]
     plain = stall_row(kind, flavor, guarded=False)
-    if this.shows_stream_defect:  # the client's connections are the server's: the burst reaches it whole
-        assert plain.stalled == BURST - HTTP_THREADS  # the cause was there
+    # Where the client's connections are the server's, the burst reaches it whole: the cause was there. The HTTP/2
+    # relay's own connections, one per request, close after each answer, and whether any of them stalls for a
+    # moment is a race: on HTTP/2 the row is about the guard saying that it does not probe.
+    if this.shows_stream_defect:
+        assert plain.stalled == BURST - HTTP_THREADS
         assert plain.answered < BURST, "the stall did not reach plain httpx"
-    else:  # the HTTP/2 relay's own connections, one per request, close after each answer: stalls pass in turn
-        assert plain.stalled >= 1
     quiet_once.clear()
     guarded = stall_row(kind, flavor, guarded=True)
-    assert guarded.stalled >= 1
+    if this.shows_stream_defect:
+        assert guarded.stalled == BURST - HTTP_THREADS
     assert guarded.completions <= BURST, "a completion ran twice"
     probes = sum(d.stats.probes_sent for d in guarded.drivers)
     rescued = guarded.answered == BURST and probes >= BURST
@@ -590,6 +593,13 @@ def test_guard_client_with_a_proxy_loses_nothing(kind: str, flavor: str) -> None
     assert path.helper.accepted >= 1  # through the proxy
 
 
+@pytest.mark.xfail(
+    sys.version_info < (3, 11),
+    strict=True,
+    reason="issue 21: on Python 3.10 the guard does not find the client that sends round it (gc.get_referrers of "
+    "the transport gives the client's __dict__, not the client, before 3.11's inline instance values): no warning, "
+    "stats.bypassed None",
+)
 @pytest.mark.parametrize("flavor", FLAVORS)
 @pytest.mark.parametrize("kind", list(PROXIED))
 def test_guard_transport_bypassed_by_a_client_proxy_is_said(
@@ -622,3 +632,24 @@ def test_guard_transport_bypassed_by_a_client_proxy_is_said(
     said_so = f"the guard saw {snapshot.requests} requests; warnings naming a proxy: {warnings}; stats: {fields}"
     assert len(warnings) == 1, said_so
     assert in_stats, said_so
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 21: the guard looks for the client that sends round it among the transport's gc referrers, where "
+    "a client whose __dict__ was ever read (vars(client), copy, a debugger) appears as that dict, not the client: "
+    "no warning, stats.bypassed None",
+)
+def test_client_proxy_bypass_is_said_after_the_client_dict_was_read(quiet_once: pytest.LogCaptureFixture) -> None:
+    """The bypass is said however the client object is held in memory: here after ``vars(client)``, which gives
+    the client a real ``__dict__`` (the one request goes through the proxy, unguarded)."""
+    with LlamaServerEmulator(http_threads=16, pool_bug=False) as server, reach("http-proxy", server) as path:
+        guard = llama_guard.GuardTransport(policy=keep_alive_policy())
+        client = proxied_client(path, "sync", transport=guard)
+        assert vars(client)["_transport"] is guard
+        with client:
+            assert client.post(CHAT, json=chat(stream=False)).status_code == 200
+    assert path.helper.forwarded == 1
+    assert guard.stats.snapshot().bypassed is not None
+    warnings = [r.getMessage() for r in quiet_once.records if r.name == "llama_guard" and r.levelno >= logging.WARNING]
+    assert any("proxy" in w for w in warnings), warnings
