@@ -53,11 +53,19 @@ class _Target(NamedTuple):
     method: str
     guard: str  # "module:Class"
     base: str  # the transport base class the guard accepts as its inner transport
+    drop: str  # "module:Class": the guard's stream wrapper that drops a stream's connection when it closes
+    stream: str  # the library's byte-stream base class of this kind (what that wrapper wraps)
 
 
 _TARGETS = (
     _Target(
-        "httpx", "HTTPTransport", "handle_request", "llama_guard._httpx.sync_transport:GuardTransport", "BaseTransport"
+        "httpx",
+        "HTTPTransport",
+        "handle_request",
+        "llama_guard._httpx.sync_transport:GuardTransport",
+        "BaseTransport",
+        "llama_guard._httpx.sync_transport:_SyncDropAfterStream",
+        "SyncByteStream",
     ),
     _Target(
         "httpx",
@@ -65,6 +73,8 @@ _TARGETS = (
         "handle_async_request",
         "llama_guard._httpx.async_transport:AsyncGuardTransport",
         "AsyncBaseTransport",
+        "llama_guard._httpx.async_transport:_AsyncDropAfterStream",
+        "AsyncByteStream",
     ),
     _Target(
         "httpx2",
@@ -72,6 +82,8 @@ _TARGETS = (
         "handle_request",
         "llama_guard._httpx2.sync_transport:GuardTransport",
         "BaseTransport",
+        "llama_guard._httpx2.sync_transport:_SyncDropAfterStream",
+        "SyncByteStream",
     ),
     _Target(
         "httpx2",
@@ -79,6 +91,8 @@ _TARGETS = (
         "handle_async_request",
         "llama_guard._httpx2.async_transport:AsyncGuardTransport",
         "AsyncBaseTransport",
+        "llama_guard._httpx2.async_transport:_AsyncDropAfterStream",
+        "AsyncByteStream",
     ),
 )
 _MODULES = tuple(dict.fromkeys(target.module for target in _TARGETS))
@@ -134,25 +148,26 @@ class Installation:
         if pool is not None and pool not in self._pools:
             self._pools[pool] = (internals, internals.pool_state(pool))
 
-    def _learn_from(
-        self, response: Any, instance: Any, target: _Target, original: Callable[..., Any], origin: Origin
-    ) -> Any:
+    def _learn_from(self, response: Any, target: _Target, origin: Origin) -> Any:
         """In "auto" mode, a response of an origin not known as llama-server: it may say it is one. Then its
-        stream's connection is dropped (that server closes it), by the guard the transport gets from now on."""
+        stream's connection is dropped when the stream closes (that server closes it), as a guard's pass-through
+        does; the transport's pool is left as it is until its next request, which a guard serves."""
         self.stats.add(passthrough=1)
         if (
             self._registry.learn(origin, response.headers)
             and self._guard_policy.stream_mode != "off"
             and is_streaming_response(response.headers)
+            # Never an HTTP/2 connection: it carries other requests' streams (and is not llama-server's).
+            and response.extensions.get("http_version", b"HTTP/1.1") == b"HTTP/1.1"
         ):
-            guard = self._guard_for(instance, target, original)
-            if guard is not None:
-                # The guard's own rule for which streams it can drop (not HTTP/2), counted in the origin's account
-                # as its own pass-through does (STACK there is the library's name).
-                guard._drop_after_stream(response, self.stats.of_origin(target.module, origin))
+            network_stream = response.extensions.get("network_stream")
+            if network_stream is not None and isinstance(response.stream, _resolve(target.module, target.stream)):
+                # Counted in the origin's account, as the guard's own pass-through does (its STACK: the library).
+                account = self.stats.of_origin(target.module, origin)
+                response.stream = _resolve(*target.drop.split(":"))(response.stream, network_stream, account)
         return response
 
-    def _release(self) -> None:
+    def _undo(self) -> None:
         """Take this installation off everything it changed: aiohttp sessions, and each pool its guards hooked.
         Guards already handling a request finish it; no new one is built."""
         with self._lock:
@@ -164,10 +179,14 @@ class Installation:
         self._sessions.release()
 
 
+def _resolve(module_name: str, name: str) -> Any:
+    """A class of one of the HTTP libraries or of llama_guard's flavours, imported once it is needed."""
+    return getattr(importlib.import_module(module_name), name)
+
+
 def _build_guard(instance: Any, target: _Target, original: Callable[..., Any], owner: Installation) -> Any:
-    module_name, _, class_name = target.guard.partition(":")
-    guard_class = getattr(importlib.import_module(module_name), class_name)
-    base = getattr(importlib.import_module(target.module), target.base)
+    guard_class = _resolve(*target.guard.split(":"))
+    base = _resolve(target.module, target.base)
     inner = _unpatched_class(base, target.module)(instance, original)
     # One account and one set of learnt origins for the whole process (the guard's own would be per transport).
     return guard_class(inner, policy=owner._guard_policy, stats=owner.stats, origins=owner._registry)
@@ -250,7 +269,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
         if _current is not None and _current.origins == setting and _current.policy == policy:
             return _current
         if _current is not None:
-            _current._release()  # its pools and sessions get the new settings at their next request
+            _current._undo()  # its pools and sessions get the new settings at their next request
         _current = Installation(setting, policy)
         for module in (*_MODULES, _AIOHTTP):
             if module not in _hooked_modules:
@@ -271,7 +290,7 @@ def uninstall() -> None:
     global _current, _aiohttp_handle
     with _STATE_LOCK:
         if _current is not None:
-            _current._release()
+            _current._undo()
         _current = None
         if _aiohttp_handle is not None:
             session_class, method, handle = _aiohttp_handle
@@ -366,19 +385,12 @@ def _wrapper_for(target: _Target, original: Callable[..., Any]) -> Callable[...,
         elif current._registry.learns:
             # Not a guard's: the transport and its pool stay as they are until it talks to llama-server.
             if target.method == "handle_async_request":
-                return _learn_async(current, wrapped(*args, **kwargs), instance, target, original, origin)
-            return current._learn_from(wrapped(*args, **kwargs), instance, target, original, origin)
+                return _learn_async(current, wrapped(*args, **kwargs), target, origin)
+            return current._learn_from(wrapped(*args, **kwargs), target, origin)
         return wrapped(*args, **kwargs)
 
     return wrapper
 
 
-async def _learn_async(
-    current: Installation,
-    sent: Awaitable[Any],
-    instance: Any,
-    target: _Target,
-    original: Callable[..., Any],
-    origin: Origin,
-) -> Any:
-    return current._learn_from(await sent, instance, target, original, origin)
+async def _learn_async(current: Installation, sent: Awaitable[Any], target: _Target, origin: Origin) -> Any:
+    return current._learn_from(await sent, target, origin)
