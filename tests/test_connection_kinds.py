@@ -62,7 +62,7 @@ PLAIN_STALL_TIMEOUT = 1.5
 GUARDED_STALL_TIMEOUT = 4.0
 #: A row (plain and guarded) still running after this long is a hang.
 ROW_DEADLINE = 60.0
-FLAVORS = ("sync", "asyncio")
+FLAVORS = ("sync", "asyncio", "trio")
 
 
 @dataclass(frozen=True)
