@@ -166,7 +166,8 @@ def test_a_burst_leaves_none_stuck_on_the_public_path(
     clients, served = server.config.stall_burst or 0, server.config.http_threads
     stalled = clients - served
     # A healthy probe must not time out on a loaded machine; replaced, not rescued by kicks (tests/test_probe_kick.py).
-    policy = GuardPolicy(probe_timeout=1.0, probe_kick=False)
+    # connection="reuse": the probe is what is tested, and the loopback default ("close") sends none.
+    policy = GuardPolicy(probe_timeout=1.0, probe_kick=False, connection="reuse")
     guarded = run_scenario(
         flavor, functools.partial(burst, timeout=30.0, policy=policy), flavor, server.url, server.port, True, clients
     )
