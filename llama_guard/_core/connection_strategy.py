@@ -16,8 +16,10 @@ network round trip (more with TLS) elsewhere, where reusing connections and prob
 - ``"reuse"``: keep-alive, the probe on new connections, kicks, stream close.
 - ``"auto"`` (default): close for a loopback address or a Unix socket, at once. Elsewhere reuse while measuring;
   once `MIN_CONNECTS` new connections and `MIN_REQUESTS` requests were seen, close if a new connection costs at
-  most `CLOSE_COST_SHARE` of the origin's median request time, else reuse. The choice is made once per origin and
-  process and said once in the log.
+  most `CLOSE_COST_SHARE` of the origin's median request time, else reuse. A new connection's cost is its connect
+  (and TLS) plus its probe's round trip: at least what a connection per request adds, since a connect alone may not
+  show the handshake's round trip (a proxy or relay in between accepts at once and defers it to the first byte).
+  The choice is made once per origin and process and said once in the log.
 """
 
 from __future__ import annotations
@@ -146,8 +148,8 @@ class OriginConnections:
         )
 
     def connected(self, seconds: float) -> ConnectionChoice | None:
-        """A new connection to the origin took ``seconds`` to be ready for HTTP (connect, and TLS for https); the
-        choice if this sample made it (to be said once), else None."""
+        """A new connection to the origin cost ``seconds`` (connect, TLS for https, and its probe's round trip when
+        probed); the choice if this sample made it (to be said once), else None."""
         with self._lock:
             self._connects.append(seconds)
             return self._decide()

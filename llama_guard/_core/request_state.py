@@ -95,6 +95,7 @@ class RequestState:
         "book",
         "close_connection",
         "closed_by_header",
+        "connect_seconds",
         "connect_started",
         "connection",
         "deadline_applied",
@@ -156,6 +157,7 @@ class RequestState:
         self.body = body
         self.stream = stream
         self.connection = connection
+        self.connect_seconds: float | None = None  # the new connection's set-up time, until taught (auto)
         self.close_connection = may_close and (
             connection.strategy == "close" or (stream and policy.stream_mode == "close")
         )
@@ -245,16 +247,26 @@ class RequestState:
 
     def connection_ready(self) -> None:
         """The new connection of this attempt is ready for HTTP (connected, and TLS done for https), nothing written
-        yet: what it cost teaches the origin's ``"auto"`` connection strategy while that is measuring."""
+        yet: what it cost teaches the origin's ``"auto"`` connection strategy while that is measuring, with the
+        round trip of its probe (`probe_answered`) when it is probed."""
         if not self.connection.final:
-            decided = CONNECTION_BOOK.of(self.origin).connected(time.monotonic() - self.connect_started)
-            if decided is not None:
-                announce_choice(self.origin, decided, self.stats)
+            self.connect_seconds = time.monotonic() - self.connect_started
+
+    def _teach_connect_cost(self, seconds: float) -> None:
+        """What a new connection cost, for the origin's ``"auto"`` strategy. With a probe: the connect (and TLS)
+        plus the probe's round trip, at least what a new connection per request would add (a round trip that the
+        connect may not show: a proxy or relay accepts at once and defers the handshake's cost to the first byte)."""
+        self.connect_seconds = None
+        decided = CONNECTION_BOOK.of(self.origin).connected(seconds)
+        if decided is not None:
+            announce_choice(self.origin, decided, self.stats)
 
     def connected(self) -> None:
         """The new connection is up (and probed, when probing): nothing of the request is written to it yet."""
         assert self.tracker is not None, "connected() without connecting()"
         self.tracker.connected()
+        if self.connect_seconds is not None:  # not probed: its connect alone
+            self._teach_connect_cost(self.connect_seconds)
 
     # -- an attempt ------------------------------------------------------------------------------------------------
 
@@ -360,6 +372,8 @@ class RequestState:
                 f"{self.probe_kicks} kick{'s' if self.probe_kicks > 1 else ''}",
             )
         self.origin_probes.probe_answered(seconds, self.probe_number)
+        if self.connect_seconds is not None and not rescued:  # a rescued probe measured the stall, not the network
+            self._teach_connect_cost(self.connect_seconds + seconds)
 
     def probe_failed(self, seconds: float) -> None:
         """The probe failed with an error."""
