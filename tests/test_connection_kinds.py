@@ -57,7 +57,7 @@ HTTP_THREADS = 4
 BURST = 16
 #: Plain clients give a stalled request this long: the server would leave it unread until a served connection
 #: closes, which none does before every client is done. Enough to show the stall reached them.
-PLAIN_STALL_TIMEOUT = 1.5
+PLAIN_STALL_TIMEOUT = 1.0
 #: Guarded clients' read timeout in the stall rows: a stalled request the guard does not rescue waits this long.
 GUARDED_STALL_TIMEOUT = 4.0
 #: A row (plain and guarded) still running after this long is a hang.
