@@ -4,7 +4,9 @@ Each row of `CASES` is one fault (or server condition) and one kind of request, 
 for it under the guard's rules (docs/how-it-works.md): the complete, correct answer, or a given httpx error class
 within a deadline, and how many requests and completions the server saw. Every row runs on a sync, an asyncio and
 a trio client, with httpx and with httpx2, and on an aiohttp session (asyncio; `tests/_aiohttp_driver.py` maps the
-httpx error names to aiohttp's classes), against the emulator on real loopback sockets.
+httpx error names to aiohttp's classes), against the emulator on real loopback sockets. Every guarded row runs under
+both connection strategies: "reuse" (keep-alive, the probe, kicks, stream close: what the rows are written for) and
+the default "auto", which on loopback is "close" (`CLOSE` says what differs there, and why).
 
 After the outcome, every test also checks what the rules promise beyond it:
 
@@ -168,6 +170,12 @@ class Case:
     options: Mapping[str, Any] | None = None
     # Server-side condition that says the fault has played out (e.g. a connection read late was served).
     settled: Callable[[EmulatorStats], bool] | None = None
+    # The guard's connection strategy (GuardPolicy.connection): the rows are written for "reuse"; `on_strategy`
+    # makes a row's "auto" twin (close, on the emulator's loopback address) from `CLOSE`.
+    connection: str = "reuse"
+    # Another right outcome (the fields that change), for a fault whose timing the client does not control: it is
+    # the one checked when the outcome is an answer where the row expects an error, or the other way round.
+    otherwise: Mapping[str, Any] | None = None
 
     @property
     def expected_errors(self) -> tuple[str, ...]:
@@ -394,6 +402,99 @@ CASES = [
 ]  # fmt: skip
 
 
+# -- the rows under the close strategy ---------------------------------------------------------------------------
+#
+# Every guarded row also runs with the default policy, connection="auto", which on the emulator's loopback address
+# is "close": every request carries Connection: close and no new connection is probed. What differs from the row's
+# reuse outcome, and why (a row not named here expects the same outcome under both strategies):
+
+#: The fault is in the answer to the probe, which the close strategy does not send: these rows run under reuse only.
+REUSE_ONLY = frozenset({"not-http-probe-answer/post", "huge-header-probe-answer/chat"})
+_READ_LATE_UNDER_CLOSE: Mapping[str, Any] = {
+    "attempts": 1,
+    "at_least": READ_LATE_AFTER,
+    "settled": None,
+    "why": "no probe: the request itself waits on the connection read late, and is answered once",
+}
+_NEVER_READ_UNDER_CLOSE: Mapping[str, Any] = {
+    "expect": "ReadTimeout",
+    "requests": 0,
+    "completions": 0,
+    "attempts": 1,
+    "timeout": 1.0,  # the follow-up's too, on a loaded machine: 0.4 s was exceeded
+    "at_least": 0.95,
+    "why": "no probe: the request waits on a connection never read until the caller's read timeout, not retried",
+}
+#: The rows whose outcome under close differs from reuse's: the fields that change (with ``why``).
+CLOSE: dict[str, dict[str, Any]] = {
+    "after-stream/chat/stream_mode=off": {
+        "attempts": 1,
+        "why": "the stream's connection closed after it, as every connection does: nothing to lose, nothing resent",
+    },
+    # A connection reset before the server read it: under reuse the probe takes the reset. Under close the reset
+    # races the client: it fails the connect (nothing sent: retried, as under reuse), or the request itself was
+    # written, and the guard cannot know whether the server read it.
+    "reset-before-read/chat": {"why": "nothing sent, or written with no answer: an inference request is resent"},
+    "reset-before-read/post": {
+        "expect": ("ReadError", "RemoteProtocolError"),
+        "requests": 0,
+        "attempts": 1,
+        "why": "no probe to take the reset: the POST was written and may have been read, so it is not resent",
+        "otherwise": {"expect": OK, "requests": 1, "attempts": 2, "why": "the connect failed: nothing sent"},
+    },
+    "reset-before-read/chat-upload": {
+        "expect": ("ReadError", "RemoteProtocolError"),
+        "requests": 0,
+        "completions": 0,
+        "attempts": 1,
+        "why": "no probe to take the reset: the one-shot body was written and may have been read: not resent",
+        "otherwise": {
+            "expect": OK,
+            "requests": 1,
+            "completions": 1,
+            "attempts": 2,
+            "why": "the connect failed: the one-shot body was never sent",
+        },
+    },
+    "reset-always/chat": {
+        "expect": ("ConnectError", "ReadError", "RemoteProtocolError"),
+        "why": "no probe: each attempt's connect fails, or its request is written to a connection reset unread; "
+        "attempts run out",
+    },
+    # A connection the server leaves unread (the stall of builds before b11737), forced by the fault. Under close no
+    # connection idles on the server, so the real server's stall is avoided rather than rescued (tests/
+    # test_mechanisms.py, the burst under the close strategy); a connection left unread all the same holds the
+    # request itself, with no probe to give it up: read late, it is answered once; never read, the caller's read
+    # timeout ends it.
+    "read-late/chat": {**_READ_LATE_UNDER_CLOSE},
+    "read-late/stream": {**_READ_LATE_UNDER_CLOSE},
+    "read-late/post": {**_READ_LATE_UNDER_CLOSE},
+    "never-answers/chat": {**_NEVER_READ_UNDER_CLOSE},
+    "never-answers/post": {**_NEVER_READ_UNDER_CLOSE},
+    "never-answers/chat-upload": {**_NEVER_READ_UNDER_CLOSE},
+    "never-answers-always/chat": {**_NEVER_READ_UNDER_CLOSE},
+    "503-loading-every-route/chat": {
+        "requests": 3,
+        "why": "no probe: both 503s are the request's own answers, each resent",
+    },
+}
+
+
+def on_strategy(case: Case, connection: str) -> Case | None:
+    """``case`` under ``connection`` ("reuse": as written; "auto": its close twin, or None if it has none)."""
+    if connection == "reuse":
+        return dataclasses.replace(case, id=f"{case.id}/reuse") if case.guarded else case
+    if not case.guarded or case.id in REUSE_ONLY:
+        return None
+    return dataclasses.replace(
+        case, **{"why": case.why, **CLOSE.get(case.id, {})}, id=f"{case.id}/auto", connection=connection
+    )
+
+
+#: The rows as run: each guarded row under "reuse" and "auto", a plain-client row once.
+ROWS = [row for case in CASES for connection in ("reuse", "auto") if (row := on_strategy(case, connection))]
+
+
 class Env:
     """The emulator(s) of one test: the server, a slot blocker, a restart in progress."""
 
@@ -484,7 +585,7 @@ class Env:
 
 
 def policy_for(case: Case) -> GuardPolicy | None:
-    return GuardPolicy(**{**BASE_POLICY, **case.policy}) if case.guarded else None
+    return GuardPolicy(**{**BASE_POLICY, **case.policy, "connection": case.connection}) if case.guarded else None
 
 
 def error_class(name: str, library_name: str) -> type[BaseException]:
@@ -545,6 +646,8 @@ async def fault_scenario(case: Case, flavor: str, library_name: str, env: Env) -
         await before(case, driver, env)
         extensions = None if case.options is None else {"llama_guard": dict(case.options)}
         outcome = await kind.send(driver, extensions)
+        if case.otherwise is not None and (outcome.error is None) != (case.expected_errors == ()):
+            case = dataclasses.replace(case, **case.otherwise)
         await after(case, env)
         check_outcome(case, outcome, library_name)
         assert pool_problems(driver) == [], f"{case.id}: the pool after the fault"
@@ -651,17 +754,17 @@ def frozen_heap() -> Iterator[None]:
     gc.unfreeze()
 
 
-@pytest.mark.parametrize(("case", "flavor", "library_name"), on_every_client([(case.id, case) for case in CASES]))
+@pytest.mark.parametrize(("case", "flavor", "library_name"), on_every_client([(case.id, case) for case in ROWS]))
 def test_fault(case: Case, flavor: str, library_name: str) -> None:
     run_case(case, flavor, library_name)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+@pytest.mark.parametrize("case", ROWS, ids=[case.id for case in ROWS])
 def test_fault_aiohttp(case: Case) -> None:
     """The same rows on an aiohttp session (asyncio only), guarded by `llama_guard.aiohttp`; a plain-client row
     expects what plain aiohttp does where that differs from plain httpx (`PLAIN_AIOHTTP`)."""
     pytest.importorskip("aiohttp")
-    if case.id in PLAIN_AIOHTTP:
+    if case.id in PLAIN_AIOHTTP:  # plain-client rows keep their ids
         case = dataclasses.replace(case, expect=PLAIN_AIOHTTP[case.id])
     run_case(case, "asyncio", "aiohttp")
 
@@ -685,10 +788,17 @@ def run_case(case: Case, flavor: str, library_name: str) -> None:
 
 
 def test_the_matrix_covers_every_fault_and_kind() -> None:
-    """Every fault the emulator has is in the matrix, and every kind of request is."""
+    """Every fault the emulator has is in the matrix, and every kind of request is; every guarded row runs under
+    both strategies unless it is about the probe."""
     assert {case.fault for case in CASES if case.fault is not None} == set(Fault)
     assert {case.kind for case in CASES} == set(KINDS)
     assert len({case.id for case in CASES}) == len(CASES)
+    assert len({case.id for case in ROWS}) == len(ROWS)
+    ids = {case.id for case in CASES}
+    assert ids >= REUSE_ONLY
+    assert set(CLOSE) <= ids - REUSE_ONLY
+    guarded = [case for case in CASES if case.guarded]
+    assert len(ROWS) == len(CASES) + len(guarded) - len(REUSE_ONLY)
     scenarios = {case.scenario for case in CASES}
     assert scenarios == {"fault", "fault_any_path", "fault_on_probe", "reused", "after_stream", "slots_busy", "restart"}
 
