@@ -28,7 +28,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -336,23 +335,7 @@ def stats_say(driver: Driver, kind: Kind) -> bool:
     return any("prob" in text and any(word in text for word in kind.words) for text in texts)
 
 
-#: Library bugs (issue 21) the stall rows show: through a proxy, or on HTTP/2, no connection is probed and nothing
-#: says so.
-STALL_BUGS = {
-    **dict.fromkeys(
-        ("http-proxy", "connect-proxy", "socks"),
-        "issue 21: connections through an HTTP or SOCKS proxy are not probed and nothing says so (0 probes, no "
-        "warning, stats.probing_off None): 12 of 16 stalled requests time out, as with plain httpx",
-    ),
-    **dict.fromkeys(
-        ("h2", "h2c"),
-        "issue 21: HTTP/2 connections are rightly not probed with HTTP/1.1 bytes, but nothing says so: no warning "
-        "naming HTTP/2 and the probe, no stats field",
-    ),
-}
-
-
-@pytest.mark.parametrize(("kind", "flavor"), kind_params(xfail=STALL_BUGS))
+@pytest.mark.parametrize(("kind", "flavor"), kind_params())
 def test_stall_burst_rescued_or_said(kind: str, flavor: str, quiet_once: pytest.LogCaptureFixture) -> None:
     """A burst that leaves 12 of 16 connections unread: plain httpx (control) gets no answer on the stalled ones;
     guarded, every connection is probed and every request answered (for a kind that cannot be probed: one warning
@@ -593,13 +576,6 @@ def test_guard_client_with_a_proxy_loses_nothing(kind: str, flavor: str) -> None
     assert path.helper.accepted >= 1  # through the proxy
 
 
-@pytest.mark.xfail(
-    sys.version_info < (3, 11),
-    strict=True,
-    reason="issue 21: on Python 3.10 the guard does not find the client that sends round it (gc.get_referrers of "
-    "the transport gives the client's __dict__, not the client, before 3.11's inline instance values): no warning, "
-    "stats.bypassed None",
-)
 @pytest.mark.parametrize("flavor", FLAVORS)
 @pytest.mark.parametrize("kind", list(PROXIED))
 def test_guard_transport_bypassed_by_a_client_proxy_is_said(
@@ -634,12 +610,6 @@ def test_guard_transport_bypassed_by_a_client_proxy_is_said(
     assert in_stats, said_so
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 21: the guard looks for the client that sends round it among the transport's gc referrers, where "
-    "a client whose __dict__ was ever read (vars(client), copy, a debugger) appears as that dict, not the client: "
-    "no warning, stats.bypassed None",
-)
 def test_client_proxy_bypass_is_said_after_the_client_dict_was_read(quiet_once: pytest.LogCaptureFixture) -> None:
     """The bypass is said however the client object is held in memory: here after ``vars(client)``, which gives
     the client a real ``__dict__`` (the one request goes through the proxy, unguarded)."""

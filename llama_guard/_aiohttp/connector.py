@@ -113,7 +113,10 @@ class ProbingHooks(ConnectionHooks):
 
     def _probes(self, run: AiohttpRequest, request: aiohttp.ClientRequest) -> bool:
         # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
-        return run.probing and request.proxy is None and run.origin not in self.unprobeable
+        if request.proxy is not None and run.probing:
+            run.probing_off(f"they go through a proxy at {request.proxy.host}:{request.proxy.port}")
+            return False
+        return run.probing and run.origin not in self.unprobeable
 
     async def _probe(self, transport: asyncio.Transport, run: AiohttpRequest) -> None:
         request = run.aiohttp_request

@@ -245,6 +245,16 @@ class RequestState:
         tracker.connecting()
         self.connect_started = time.monotonic()
 
+    def probing_off(self, why: str) -> None:
+        """This attempt's new connection cannot be probed although the request probes (``why``: the kind of
+        connection): said once per origin and reason, and in ``stats.probing_off``."""
+        text = f"new connections to {self.origin} are not probed: {why}"
+        self.stats.probing_off = text
+        WARN_ONCE.warning(
+            f"llama_guard: {text}; a connection llama-server leaves unread is not caught there (retries and stream "
+            "handling still apply)"
+        )
+
     def connection_ready(self) -> None:
         """The new connection of this attempt is ready for HTTP (connected, and TLS done for https), nothing written
         yet: what it cost teaches the origin's ``"auto"`` connection strategy while that is measuring, with the

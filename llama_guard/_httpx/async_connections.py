@@ -127,10 +127,14 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         run = CURRENT_ATTEMPT.get()
         if run is None:
             return await connect()
-        # Probe only a connection to the origin itself: through an HTTP proxy the connection is the proxy's.
-        return await self._connect(
-            run, connect, timeout, direct=host == run.request.url.host and port == run.origin.port
-        )
+        # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
+        direct = host == run.request.url.host and port == run.origin.port
+        if not direct and run.probing:
+            run.probing_off(
+                f"they go through a proxy at {host}:{port} (HTTP, CONNECT or SOCKS), whose connections are not "
+                "llama-server's"
+            )
+        return await self._connect(run, connect, timeout, direct=direct)
 
     async def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Any = None
@@ -150,6 +154,8 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         """A guarded attempt's new connection: opened by ``connect``, timed, and probed when ``direct`` (to the
         origin itself) and the request probes, unless the pool speaks HTTP/2 only (h2c with prior knowledge)."""
         run.connecting()
+        if direct and run.probing and not self._http1:
+            run.probing_off("the pool speaks HTTP/2 only (h2c with prior knowledge, http1=False), unlike llama-server")
         probing = direct and run.probing and self._http1
         https = run.request.url.scheme == "https"
         # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose

@@ -395,7 +395,9 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             return
         ssl_object = stream.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
-            return  # not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection
+            # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
+            run.probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
+            return
         exchange = ProbeExchange(run.host_header)
         run.probe_started()
         deadline = run.next_probe_deadline()

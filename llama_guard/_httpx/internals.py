@@ -123,15 +123,19 @@ def pool_speaks_http1(pool: Any) -> bool:
 def bypassing_mounts(transport: Any) -> list[str]:
     """The URL patterns of a client whose ``_transport`` is ``transport`` but which sends through transports of its
     own mounted for them (``proxy=``, ``mounts=``): requests that match go round ``transport``. Looks for the client
-    among ``transport``'s referrers (a walk of the heap: only for a transport that never saw a request)."""
+    among ``transport``'s referrers, and the owners of a referring ``__dict__`` (a walk of the heap: only for a
+    transport that never saw a request)."""
     import gc
 
+    referrers = gc.get_referrers(transport)
+    owners = [owner for referrer in referrers if isinstance(referrer, dict) for owner in gc.get_referrers(referrer)]
     patterns: list[str] = []
-    for referrer in gc.get_referrers(transport):
-        if isinstance(referrer, (httpx.Client, httpx.AsyncClient)) and client_transports(referrer)[0] is transport:
-            for pattern, mounted in client_transports(referrer)[1].items():
+    for candidate in (*referrers, *owners):
+        if isinstance(candidate, (httpx.Client, httpx.AsyncClient)) and client_transports(candidate)[0] is transport:
+            for pattern, mounted in client_transports(candidate)[1].items():
                 if mounted is not None and mounted is not transport:
                     patterns.append(str(getattr(pattern, "pattern", pattern)))
+            break
     return patterns
 
 
