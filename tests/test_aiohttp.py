@@ -60,10 +60,18 @@ def test_plain_aiohttp_loses_requests_after_streams(racy_server: LlamaServerEmul
     assert all(isinstance(e, LOST) for e in driver.errors), driver.errors
 
 
+#: Both connection strategies: the default ("auto", which is "close" on the emulator's loopback address: every
+#: request carries Connection: close, no connection is probed) and "reuse" (keep-alive, the probe, stream close).
+STRATEGIES = pytest.mark.parametrize("connection", ["auto", "reuse"])
+
+
 @pytest.mark.parametrize("mode", ["close", "drop"])
-def test_guard_closes_stream_connections(mode: str, racy_server: LlamaServerEmulator) -> None:
-    """Connection: close (or the drop after the final chunk) means no stream connection is ever reused."""
-    policy = GuardPolicy(stream_mode=mode, max_attempts=1)  # no retries: the stream mechanism alone
+@STRATEGIES
+def test_guard_closes_stream_connections(mode: str, connection: str, racy_server: LlamaServerEmulator) -> None:
+    """Connection: close (or the drop after the final chunk) means no stream connection is ever reused. Under the
+    close strategy every connection closes after its request, streamed or not."""
+    # No retries: the stream mechanism (or the close strategy) alone.
+    policy = GuardPolicy(connection=connection, stream_mode=mode, max_attempts=1)  # type: ignore[arg-type]
     driver = asyncio.run(alternate_streams(racy_server.url, True, policy, 40))
     assert driver.errors == []
     stats = driver.stats
@@ -72,15 +80,26 @@ def test_guard_closes_stream_connections(mode: str, racy_server: LlamaServerEmul
     assert stats.retries == 0
     assert all(o.body.endswith(b"data: [DONE]\n\n") for o in driver.outcomes[1::2])
     results = [o.result for o in driver.outcomes]
-    assert all(r is not None and r.connection_closed == r.stream for r in results)
+    strategy = "close" if connection == "auto" else "reuse"
+    assert all(r is not None and r.connection == strategy for r in results)
+    if strategy == "close":
+        assert all(r is not None and r.connection_closed for r in results)
+    else:
+        assert all(r is not None and r.connection_closed == r.stream for r in results)
     assert racy_server.stats().completions_started == 40  # nothing ran twice
 
 
-def test_retries_alone_recover_the_lost_requests(racy_server: LlamaServerEmulator) -> None:
-    """With the stream mechanism off, retrying the dead pooled connection recovers every request."""
-    driver = asyncio.run(alternate_streams(racy_server.url, True, GuardPolicy(stream_mode="off"), 40))
+@STRATEGIES
+def test_retries_alone_recover_the_lost_requests(connection: str, racy_server: LlamaServerEmulator) -> None:
+    """With the stream mechanism off, retrying the dead pooled connection recovers every request (reuse); under the
+    close strategy no connection outlives its request, so nothing is lost in the first place."""
+    policy = GuardPolicy(connection=connection, stream_mode="off")  # type: ignore[arg-type]
+    driver = asyncio.run(alternate_streams(racy_server.url, True, policy, 40))
     assert driver.errors == []
-    assert driver.stats.retries >= 1
+    if connection == "auto":
+        assert driver.stats.retries == 0
+    else:
+        assert driver.stats.retries >= 1
     assert racy_server.stats().completions_finished == 40
 
 
@@ -90,7 +109,8 @@ async def burst(url: str, port: int, guarded: bool, clients: int, stats: GuardSt
     sockets = open_burst("127.0.0.1", port, clients)
     # The floor keeps a healthy probe on a busy machine (the emulator shares the test's GIL) from being given up, so
     # that the counts below are exact. Replaced, not rescued by kicks (the default, tests/test_probe_kick.py).
-    policy = GuardPolicy(probe_timeout_min=0.5, probe_kick=False) if guarded else None
+    # connection="reuse": on loopback the default closes connections and probes none.
+    policy = GuardPolicy(connection="reuse", probe_timeout_min=0.5, probe_kick=False) if guarded else None
     drivers = [
         make_aiohttp_driver(guarded=guarded, base_url=url, policy=policy, limit=1, timeout=3.0, preopened=[sock])
         for sock in sockets
@@ -173,14 +193,16 @@ def test_untested_aiohttp_version_warns_and_keeps_streams_safe(
     assert snap.stream_connections_closed == 10  # by header: the public way
 
 
-def test_guard_session_adds_the_guard_to_an_existing_session(racy_server: LlamaServerEmulator) -> None:
-    """guard_session() on a plain session (what install() does): probes and stream handling from then on;
-    unguard_session() restores it."""
+@STRATEGIES
+def test_guard_session_adds_the_guard_to_an_existing_session(connection: str, racy_server: LlamaServerEmulator) -> None:
+    """guard_session() on a plain session (what install() does): probes (under reuse) and stream handling from
+    then on; unguard_session() restores it."""
 
     async def scenario() -> tuple[int, int, list[BaseException]]:
         errors: list[BaseException] = []
         async with aiohttp.ClientSession(racy_server.url) as session:
-            guard = guard_aiohttp.guard_session(session)
+            policy = GuardPolicy(connection=connection)  # type: ignore[arg-type]
+            guard = guard_aiohttp.guard_session(session, policy=policy)
             assert guard is not None
             assert guard_aiohttp.guard_session(session) is guard  # once
             for index in range(20):
@@ -198,15 +220,19 @@ def test_guard_session_adds_the_guard_to_an_existing_session(racy_server: LlamaS
     requests, probes, errors = asyncio.run(scenario())
     assert errors == []
     assert requests == 20
-    assert probes >= 1
+    if connection == "reuse":
+        assert probes >= 1
+    else:
+        assert probes == 0
 
 
-def test_other_origins_pass_through_untouched() -> None:
+@STRATEGIES
+def test_other_origins_pass_through_untouched(connection: str) -> None:
     """With a list of origins, a request elsewhere gets no probe, no header and no result."""
     with LlamaServerEmulator(pool_bug=False) as llama, LlamaServerEmulator(pool_bug=False) as other:
 
         async def scenario() -> tuple[object, object, GuardStats]:
-            policy = GuardPolicy(origins=[llama.url])
+            policy = GuardPolicy(connection=connection, origins=[llama.url])  # type: ignore[arg-type]
             async with guard_aiohttp.guarded_session(policy=policy) as session:
                 async with session.post(other.url + CHAT, json=chat(stream=True)) as response:
                     await response.read()
@@ -223,7 +249,7 @@ def test_other_origins_pass_through_untouched() -> None:
     assert isinstance(guarded, llama_guard.GuardResult)
     assert (stats.requests, stats.passthrough) == (1, 1)
     assert other.stats().requests_to("/health") == 0
-    assert llama.stats().requests_to("/health") == 1
+    assert llama.stats().requests_to("/health") == (1 if connection == "reuse" else 0)  # the close strategy: no probe
 
 
 def test_request_options_are_validated() -> None:
@@ -315,7 +341,8 @@ def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog
     once (the decision is _core's `RequestState.probe_closed`) and stops probing it; requests still succeed."""
 
     async def scenario(url: str) -> tuple[list[object], GuardStats]:
-        async with guard_aiohttp.guarded_session(url) as session:
+        # connection="reuse": on loopback the default closes connections and probes none.
+        async with guard_aiohttp.guarded_session(url, policy=GuardPolicy(connection="reuse")) as session:
             results = []
             for _ in range(2):
                 async with session.post(CHAT, json=chat(stream=False)) as response:
