@@ -62,6 +62,9 @@ _BASIC = base64.b64encode(f"alice:{SECRETS['password']}".encode()).decode()
 NEEDLES = [*SECRETS.values(), _BASIC]
 
 FLAVORS = ["httpx-sync", "httpx-asyncio", "httpx-trio"] + (["httpx2-sync", "httpx2-asyncio"] if httpx2 else [])
+#: The log and socket scenarios: the emulator is on loopback, where the default closes every connection and probes
+#: none; they need what only keep-alive has (the probe and its log lines, kicks, the late-answer watch's sockets).
+REUSE = llama_guard.GuardPolicy(connection="reuse")
 
 
 # -- clients of every flavour, behind one interface ---------------------------------------------------------------
@@ -131,7 +134,7 @@ async def _log_scenario(flavor: str, server: LlamaServerEmulator, closing_server
         for fault, params in faults:
             server.inject(fault, **params)
         extensions = {} if overrides is None else {"llama_guard": overrides}
-        client = Client(flavor, server.url)
+        client = Client(flavor, server.url, policy=REUSE)
         try:
             response = await client.send("POST", extensions=extensions, **request)
         except client.error_class as exc:
@@ -167,7 +170,7 @@ async def _log_scenario(flavor: str, server: LlamaServerEmulator, closing_server
     # A stream cut after its headers: the caller's plain httpx error, never retried.
     await send([(Fault.RESET_MID_STREAM, {"path": CHAT})], **_secret_request(url, stream=True))
     # A server that closes after answering /health: "probing disabled for this origin".
-    other = Client(flavor, closing_server.url)
+    other = Client(flavor, closing_server.url, policy=REUSE)
     try:
         response = await other.send("POST", **_secret_request(closing_server.url))
         seen.results.append(response.extensions.get("llama_guard"))
@@ -381,7 +384,9 @@ async def _socket_scenario(flavor: str, server: LlamaServerEmulator) -> tuple[li
     body = {"messages": [{"role": "user", "content": "hi"}]}
     with socket_audit() as log:
         client = Client(
-            flavor, server.url, policy=llama_guard.GuardPolicy(probe_timeout=0.3, probe_learning=False, backoff=0.01)
+            flavor,
+            server.url,
+            policy=llama_guard.GuardPolicy(connection="reuse", probe_timeout=0.3, probe_learning=False, backoff=0.01),
         )
         try:
             # (fault, its parameters, streamed?): a stream closes its connection, so the next request connects
