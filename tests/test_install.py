@@ -230,17 +230,30 @@ def test_other_traffic_is_byte_for_byte_unchanged(origins: list[str] | None) -> 
     assert installation.stats.snapshot().requests == 0
 
 
-def test_install_twice_is_harmless_and_a_new_policy_replaces_the_old(racy_server: LlamaServerEmulator) -> None:
-    first = llama_guard.install(origins=[racy_server.url])
-    assert llama_guard.install(origins=[racy_server.url]) is first
+#: Both connection strategies: the default ("auto": close on the emulator's loopback address, no probe) and "reuse"
+#: (keep-alive, every new connection probed).
+STRATEGIES = pytest.mark.parametrize("connection", ["auto", "reuse"])
+
+
+@STRATEGIES
+def test_install_twice_is_harmless_and_a_new_policy_replaces_the_old(
+    connection: str, racy_server: LlamaServerEmulator
+) -> None:
+    policy = GuardPolicy(connection=connection)  # type: ignore[arg-type]
+    first = llama_guard.install(origins=[racy_server.url], policy=policy)
+    assert llama_guard.install(origins=[racy_server.url], policy=policy) is first
     assert httpx.HTTPTransport.handle_request.__wrapped__ is ORIGINALS[(httpx.HTTPTransport, "handle_request")]
     with httpx.Client(base_url=racy_server.url) as client:
         result = client.get("/health").extensions["llama_guard"]
     assert result.attempts == 1
+    assert result.connection == ("reuse" if connection == "reuse" else "close")
     assert first.stats.snapshot().requests == 1
-    assert first.stats.snapshot().probes_sent == 1  # one guard, one probe
+    assert first.stats.snapshot().probes_sent == (1 if connection == "reuse" else 0)  # one guard, one probe at most
 
-    second = llama_guard.install(origins=[racy_server.url], policy=GuardPolicy(probe=False))
+    second = llama_guard.install(
+        origins=[racy_server.url],
+        policy=GuardPolicy(connection=connection, probe=False),  # type: ignore[arg-type]
+    )
     assert second is not first
     assert second.policy.probe is False
     assert httpx.HTTPTransport.handle_request.__wrapped__ is ORIGINALS[(httpx.HTTPTransport, "handle_request")]
@@ -248,6 +261,7 @@ def test_install_twice_is_harmless_and_a_new_policy_replaces_the_old(racy_server
         client.get("/health")
     assert second.stats.snapshot().requests == 1
     assert second.stats.snapshot().probes_sent == 0
+    assert first.stats.snapshot().requests == 1  # the old guard saw nothing more
 
 
 def test_uninstall_restores_the_originals(racy_server: LlamaServerEmulator) -> None:
@@ -264,14 +278,16 @@ def test_uninstall_restores_the_originals(racy_server: LlamaServerEmulator) -> N
     assert llama_guard._install.patching.installation() is None
 
 
-def test_an_explicitly_guarded_client_is_not_guarded_twice(racy_server: LlamaServerEmulator) -> None:
-    installation = llama_guard.install(origins=[racy_server.url])
-    with llama_guard.guard(httpx.Client(base_url=racy_server.url)) as client:
+@STRATEGIES
+def test_an_explicitly_guarded_client_is_not_guarded_twice(connection: str, racy_server: LlamaServerEmulator) -> None:
+    policy = GuardPolicy(connection=connection)  # type: ignore[arg-type]
+    installation = llama_guard.install(origins=[racy_server.url], policy=policy)
+    with llama_guard.guard(httpx.Client(base_url=racy_server.url), policy=policy) as client:
         result = client.get("/health").extensions["llama_guard"]
         own = client._transport.stats.snapshot()
     assert result.attempts == 1
     assert own.requests == 1
-    assert own.probes_sent == 1
+    assert own.probes_sent == (1 if connection == "reuse" else 0)  # one guard, one probe at most
     assert installation.stats.snapshot().requests == 0
 
 
