@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 
 import llama_guard
+from llama_guard import GuardPolicy
 from llama_guard.aiohttp import guard_of, guard_result, guarded_session
 from llama_guard.testing import LlamaServerEmulator
 
@@ -45,7 +46,10 @@ async def alternate_streams(session: aiohttp.ClientSession, url: str, n: int) ->
     return outcomes
 
 
-def test_install_guards_sessions_created_before_and_after(racy_server: LlamaServerEmulator) -> None:
+@pytest.mark.parametrize("connection", ["auto", "reuse"])
+def test_install_guards_sessions_created_before_and_after(connection: str, racy_server: LlamaServerEmulator) -> None:
+    """Both strategies: the default ("auto": close on the emulator's loopback address, no probe) and "reuse"."""
+
     async def scenario() -> None:
         async with aiohttp.ClientSession() as plain:
             outcomes = await alternate_streams(plain, racy_server.url, REQUESTS)
@@ -55,7 +59,8 @@ def test_install_guards_sessions_created_before_and_after(racy_server: LlamaServ
         assert racy_server.stats().requests_dropped_after_stream == len(lost)
 
         async with aiohttp.ClientSession() as before:
-            installation = llama_guard.install(origins=[racy_server.url])
+            policy = GuardPolicy(connection=connection)  # type: ignore[arg-type]
+            installation = llama_guard.install(origins=[racy_server.url], policy=policy)
             async with aiohttp.ClientSession() as after:
                 ran_before = racy_server.stats().completions_started
                 outcomes = [
@@ -68,7 +73,11 @@ def test_install_guards_sessions_created_before_and_after(racy_server: LlamaServ
                 assert server.requests_dropped_after_stream == len(lost)  # and none was dropped
                 stats = installation.stats.snapshot()
                 assert stats.requests == 2 * REQUESTS
-                assert stats.probes_sent >= 2  # each session's first connection at least
+                if connection == "reuse":
+                    assert stats.probes_sent >= 2  # each session's first connection at least
+                else:
+                    assert stats.probes_sent == 0
+                    assert all(o.connection == "close" for o in outcomes)  # type: ignore[union-attr]
                 assert guard_of(before) is not None
                 assert guard_of(after) is not None
 
