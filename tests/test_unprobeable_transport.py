@@ -21,6 +21,9 @@ from .conftest import PARTIAL_DEPS
 
 CHAT = "/v1/chat/completions"
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+#: The emulator is on loopback, where the default ("auto") closes every connection and probes none: probing, and
+#: saying that it cannot be done, belong to keep-alive.
+REUSE = llama_guard.GuardPolicy(connection="reuse")
 
 
 class HttpClientTransport(httpx.BaseTransport):
@@ -65,7 +68,7 @@ def warnings_about_probing(caplog: pytest.LogCaptureFixture) -> list[logging.Log
 def test_a_foreign_sync_transport_warns_once_and_stats_say_probing_is_off(
     server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    guard = llama_guard.GuardTransport(HttpClientTransport())
+    guard = llama_guard.GuardTransport(HttpClientTransport(), policy=REUSE)
     with httpx.Client(transport=guard, base_url=server.url) as client:
         for _ in range(5):
             assert client.post(CHAT, json=BODY).status_code == 200
@@ -85,7 +88,7 @@ def test_a_wrapper_around_httpcore_is_probed_and_does_not_warn(
     server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The control: a transport that hides its pool but sends through httpcore is probed through trace events."""
-    guard = llama_guard.GuardTransport(PassThroughTransport())
+    guard = llama_guard.GuardTransport(PassThroughTransport(), policy=REUSE)
     with httpx.Client(transport=guard, base_url=server.url) as client:
         for _ in range(5):
             assert client.post(CHAT, json=BODY).status_code == 200
@@ -99,16 +102,34 @@ def test_a_wrapper_around_httpcore_is_probed_and_does_not_warn(
 def test_no_warning_when_the_policy_turns_probing_off(
     server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    guard = llama_guard.GuardTransport(HttpClientTransport(), policy=llama_guard.GuardPolicy(probe=False))
+    guard = llama_guard.GuardTransport(
+        HttpClientTransport(), policy=llama_guard.GuardPolicy(connection="reuse", probe=False)
+    )
     with httpx.Client(transport=guard, base_url=server.url) as client:
         assert client.post(CHAT, json=BODY).status_code == 200
     assert warnings_about_probing(caplog) == []
     assert guard.stats.snapshot().probing_off is None
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="suspected bug, reported: _learn_trace_support (sync_transport.py, async_transport.py) says probing is off "
+    "whatever the request's connection strategy; under close nothing is probed by design",
+)
+def test_no_warning_under_the_close_strategy(server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture) -> None:
+    """The default on loopback ("auto": close) probes no connection of any transport: a transport that could not
+    be probed is nothing to warn about, and stats do not say probing is off."""
+    guard = llama_guard.GuardTransport(HttpClientTransport())
+    with httpx.Client(transport=guard, base_url=server.url) as client:
+        assert client.post(CHAT, json=BODY).status_code == 200
+    assert guard.stats.snapshot().connection_strategies  # the close strategy was chosen for the origin
+    assert warnings_about_probing(caplog) == []
+    assert guard.stats.snapshot().probing_off is None
+
+
 def test_each_transport_warns_once(server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture) -> None:
     for _ in range(2):
-        guard = llama_guard.GuardTransport(HttpClientTransport())
+        guard = llama_guard.GuardTransport(HttpClientTransport(), policy=REUSE)
         with httpx.Client(transport=guard, base_url=server.url) as client:
             client.post(CHAT, json=BODY)
             client.post(CHAT, json=BODY)
@@ -128,7 +149,9 @@ def test_guard_over_litellms_aiohttp_transport_says_probing_is_off(
     async def scenario() -> llama_guard.StatsSnapshot:
         session = aiohttp.ClientSession()
         transport = aiohttp_transport.LiteLLMAiohttpTransport(client=session)
-        async with llama_guard.guard(httpx.AsyncClient(transport=transport, base_url=server.url)) as client:
+        async with llama_guard.guard(
+            httpx.AsyncClient(transport=transport, base_url=server.url), policy=REUSE
+        ) as client:
             guard = client._transport
             assert isinstance(guard, llama_guard.AsyncGuardTransport)
             for _ in range(3):
