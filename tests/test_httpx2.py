@@ -36,13 +36,19 @@ def test_plain_httpx2_loses_requests_after_streams(racy_server: LlamaServerEmula
     assert racy_server.wait_for(lambda s: s.requests_dropped_after_stream == 14).completions_finished == 16
 
 
-def test_httpx2_guard_loses_none(racy_server: LlamaServerEmulator) -> None:
-    transport = guard2.GuardTransport(policy=llama_guard.GuardPolicy(max_attempts=1))
+@pytest.mark.parametrize("connection", ["auto", "reuse"])
+def test_httpx2_guard_loses_none(connection: str, racy_server: LlamaServerEmulator) -> None:
+    """Both strategies: the default ("auto": close on the emulator's loopback address) and "reuse"."""
+    policy = llama_guard.GuardPolicy(connection=connection, max_attempts=1)  # type: ignore[arg-type]
+    transport = guard2.GuardTransport(policy=policy)
     with httpx2.Client(base_url=racy_server.url, transport=transport) as client:
         assert _alternate(client, 30) == 0
     stats = transport.stats.snapshot()
     assert stats.stream_connections_closed == 15
-    assert stats.probes_sent == 15  # one per new connection: the first, and one after each stream
+    if connection == "reuse":
+        assert stats.probes_sent == 15  # one per new connection: the first, and one after each stream
+    else:
+        assert stats.probes_sent == 0  # close: every connection serves one request, and none is probed
     assert racy_server.stats().requests_dropped_after_stream == 0
 
 
