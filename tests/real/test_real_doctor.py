@@ -160,3 +160,19 @@ def test_doctor_clears_the_fixed_pool_build(real_server, llama_server_fixed_bin)
     assert any("all 32 connections of 3 burst(s) answered GET /health" in line for line in pool["evidence"]), pool
     assert findings["stream-close"]["status"] == "affected", findings["stream-close"]
     assert code == 1  # the stream defect
+
+
+def test_doctor_at_its_defaults_is_quick_on_the_fixed_pool_build(real_server, llama_server_fixed_bin):
+    """Issue 25's target: doctor at its defaults (no burst) against a healthy fixed-pool server takes under 3 s of
+    checks: nothing is waited out (a request with no answer within the stated bound is counted as stuck), and the
+    verdict covers the unguarded client too."""
+    server = real_server(binary=llama_server_fixed_bin, threads_http=4)
+    code, document, err = _doctor(server.url)
+    assert document["seconds"] < 3.0, (document["seconds"], err)
+    assert "counts as stuck" in err
+    findings = _findings(document)
+    assert findings["unread-first-request"]["status"] == "not_affected"
+    assert findings["stream-close"]["status"] == "affected"  # the fixed pool keeps the stream defect
+    assert findings["unguarded-client"]["status"] in ("affected", "not_affected")
+    assert document["load"]["guard"]["errors"] == document["load"]["guard"]["stuck"] == 0
+    assert code == 1
