@@ -520,6 +520,7 @@ def plot(results: Sequence[Result], scenario: str, trips: Sequence[str], path: P
     top.set_ylabel("ok requests/s (median; line: runs' range)")
     bottom.set_ylabel("slowest first response (s, log)")
     bottom.set_yscale("log")
+    bottom.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
     bottom.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     bottom.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     bottom.set_xticks(range(len(trips)), list(trips))
@@ -678,7 +679,7 @@ def report(results: Sequence[Result], meta: dict[str, Any], out: Path) -> None:
     scenarios, trips, hogs, seconds = meta["scenarios"], meta["trips"], meta["hogs"], meta["seconds"]
     print()
     conditions = {
-        "proxy-like": "server with default flags (--parallel 4), nothing else running beside it",
+        "proxy-like": "server with default flags (--parallel 4), no CPU-bound processes added",
         "burst": f"--threads-http 4, {hogs} CPU-bound processes beside the server",
         "saturated": f"--threads-http 4 --parallel {SATURATE_SLOTS}, every slot generating {SATURATE_TOKENS}-token "
         f"completions, {hogs} CPU-bound processes beside the server",
