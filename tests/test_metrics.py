@@ -91,7 +91,7 @@ def test_an_account_records_a_request_as_the_stats_do(args: tuple[int, float | N
 
 def test_an_account_shows_its_parents_conditions() -> None:
     """The conditions a transport reports (public_path, probing_off, ...; any added later too) read the same
-    through an account, so an account's snapshot says what its transport's does."""
+    through an account's snapshot, so it says what its transport's does."""
     parent = GuardStats()
     account = parent.of_origin("httpx", ORIGIN)
     conditions = [name for name, value in vars(parent).items() if value is None and not name.startswith("_")]
@@ -100,8 +100,9 @@ def test_an_account_shows_its_parents_conditions() -> None:
         setattr(parent, name, f"because of {name}")
     shown = account.snapshot().as_dict()
     for name in conditions:
-        assert getattr(account, name) == f"because of {name}"
+        assert getattr(account, name) == f"because of {name}"  # read by snapshot() and repr()
         assert shown.get(name, f"because of {name}") == f"because of {name}"
+    assert "probing=off" in repr(account)  # repr() reads the snapshot too
 
 
 def test_an_origin_account_forwards_every_way_of_counting() -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .origins import Origin
-from .stats import GuardStats, LatencyHistogram
+from .stats import GuardStats, LatencyHistogram, StatsSnapshot
 
 __all__ = ["COUNTS", "EVERY_STATS", "OriginStats", "OriginTotals", "StatsSet"]
 
@@ -159,14 +159,17 @@ class OriginStats(GuardStats):
         if parent is not None:
             parent.late_answers_unseen = value
 
-    def __getattr__(self, name: str) -> Any:
-        """Any other condition the parent reports (an attribute this account does not keep): the parent's."""
-        if name.startswith("__") or name == "_parent":
-            raise AttributeError(name)
+    def snapshot(self) -> StatsSnapshot:
+        """`GuardStats.snapshot`, with every condition the parent reports (any ``str | None`` attribute it has that
+        this account does not keep: one added to GuardStats later too), read from the parent now. (Not a
+        ``__getattr__``: that would slow every attribute access of the account, which counts every request.)"""
         parent = self._parent()
-        if parent is None:
-            raise AttributeError(name)
-        return getattr(parent, name)
+        if parent is not None:
+            own = vars(self)
+            for name, value in vars(parent).items():
+                if (value is None or isinstance(value, str)) and not name.startswith("_"):
+                    own[name] = value
+        return super().snapshot()
 
     def __repr__(self) -> str:
         return f"<OriginStats {self.stack} {self.origin} {super().__repr__()}>"
