@@ -344,11 +344,13 @@ def _arm(server: LlamaServerEmulator, index: int) -> None:
         server.inject(fault, **params)
 
 
-def sync_load(server: LlamaServerEmulator, *, threads: int, requests: int) -> LoadRun:
+def sync_load(
+    server: LlamaServerEmulator, *, threads: int, requests: int, policy: llama_guard.GuardPolicy | None = None
+) -> LoadRun:
     run = LoadRun(requests)
     inner = httpx.HTTPTransport(limits=LIMITS)
     inner._pool._network_backend = _CountingBackend(inner._pool._network_backend, run.counter)
-    transport = llama_guard.GuardTransport(inner)
+    transport = llama_guard.GuardTransport(inner, policy=policy)
     run.counter.watch(inner._pool)
     client = httpx.Client(transport=transport, base_url=server.url, timeout=TIMEOUT)
     counter = itertools.count()
@@ -379,11 +381,13 @@ def sync_load(server: LlamaServerEmulator, *, threads: int, requests: int) -> Lo
     return run
 
 
-async def async_load(server: LlamaServerEmulator, *, tasks: int, per_task: int) -> LoadRun:
+async def async_load(
+    server: LlamaServerEmulator, *, tasks: int, per_task: int, policy: llama_guard.GuardPolicy | None = None
+) -> LoadRun:
     run = LoadRun(tasks * per_task)
     inner = httpx.AsyncHTTPTransport(limits=LIMITS)
     inner._pool._network_backend = _AsyncCountingBackend(inner._pool._network_backend, run.counter)
-    transport = llama_guard.AsyncGuardTransport(inner)
+    transport = llama_guard.AsyncGuardTransport(inner, policy=policy)
     run.counter.watch(inner._pool)
     client = httpx.AsyncClient(transport=transport, base_url=server.url, timeout=TIMEOUT)
 
@@ -418,7 +422,9 @@ def _complete(body: bytes, *, stream: bool) -> bool:
         return False
 
 
-def check_load(run: LoadRun, server: LlamaServerEmulator, label: str) -> None:
+def check_load(run: LoadRun, server: LlamaServerEmulator, label: str, connection: str = "auto") -> None:
+    """``connection``: the guard's strategy ("auto" is close on the emulator's loopback address: no probe, so the
+    fault armed for the probe's answer never strikes, and a connection fault strikes the request itself)."""
     # (The accept loop runs in its own thread: let it catch up with every connect the client made.) Kicks
     # (GuardPolicy.probe_kick: a slow probe opens and closes a connection of its own, outside the pool) count too:
     # under CPU load a healthy probe can wait past the first kick.
@@ -441,8 +447,10 @@ def check_load(run: LoadRun, server: LlamaServerEmulator, label: str) -> None:
     chat_faults = sum(faults.get(f, 0) for f in (Fault.HEADERS_NEVER, Fault.STATUS_503, Fault.STATUS_429))
     assert server_side.requests_to(CHAT) == run.requests + chat_faults
     assert server_side.errors == ()
-    # Every kind of fault really struck, and the guard recovered from each.
+    # Every kind of fault really struck, and the guard recovered from each (no probe under close: none in answer to it).
     armed = {fault for fault, _ in map(_fault_plan, range(0, run.requests, FAULT_EVERY))}
+    if connection != "reuse":
+        armed.discard(Fault.GARBAGE)  # armed for /health, which only the probe asks for
     assert {fault for fault, count in faults.items() if count} == armed, faults
     stats = run.stats
     assert stats is not None
@@ -452,9 +460,13 @@ def check_load(run: LoadRun, server: LlamaServerEmulator, label: str) -> None:
     # the next accepted connection may strike a kick instead, which sends nothing: no attempt fails for it.
     assert stats.retries >= sum(faults.values()) - kicks
     connection_faults = (Fault.RESET_BEFORE_READ, Fault.GARBAGE, Fault.NEVER_ANSWER_ACCEPT)
-    assert (
-        stats.probes_failed + stats.errors.get("ConnectError", 0) >= sum(faults[f] for f in connection_faults) - kicks
-    )
+    if connection == "reuse":
+        assert (
+            stats.probes_failed + stats.errors.get("ConnectError", 0)
+            >= sum(faults.get(f, 0) for f in connection_faults) - kicks
+        )
+    else:
+        assert stats.probes_sent == kicks == 0
 
     # The pool's bound held, and every connection the client opened is closed again.
     counter = run.counter
@@ -470,20 +482,30 @@ def check_load(run: LoadRun, server: LlamaServerEmulator, label: str) -> None:
     )
 
 
+#: Both strategies: the default ("auto": close on the emulator's loopback address) and "reuse" (keep-alive, the probe).
+STRATEGIES = pytest.mark.parametrize("connection", ["auto", "reuse"])
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("count_releases")
-def test_64_threads_on_one_client_against_a_faulty_server_lose_nothing_within_the_pool_limit() -> None:
+@STRATEGIES
+def test_64_threads_on_one_client_against_a_faulty_server_lose_nothing_within_the_pool_limit(connection: str) -> None:
+    policy = llama_guard.GuardPolicy(connection=connection)  # type: ignore[arg-type]
     with _faulty_server() as server:
-        run = sync_load(server, threads=64, requests=2_048)
+        run = sync_load(server, threads=64, requests=2_048, policy=policy)
         server.clear_faults()
-        check_load(run, server, "sync, 64 threads")
+        check_load(run, server, f"sync, 64 threads, {connection}", connection)
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("count_releases")
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
-def test_1000_tasks_on_one_client_against_a_faulty_server_lose_nothing_within_the_pool_limit(backend: str) -> None:
+@STRATEGIES
+def test_1000_tasks_on_one_client_against_a_faulty_server_lose_nothing_within_the_pool_limit(
+    backend: str, connection: str
+) -> None:
+    policy = llama_guard.GuardPolicy(connection=connection)  # type: ignore[arg-type]
     with _faulty_server() as server:
-        run = anyio.run(functools.partial(async_load, server, tasks=1_000, per_task=1), backend=backend)
+        run = anyio.run(functools.partial(async_load, server, tasks=1_000, per_task=1, policy=policy), backend=backend)
         server.clear_faults()
-        check_load(run, server, f"{backend}, 1,000 tasks")
+        check_load(run, server, f"{backend}, 1,000 tasks, {connection}", connection)
