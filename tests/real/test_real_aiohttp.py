@@ -101,11 +101,13 @@ class AiohttpBurst:
         return text
 
 
-async def burst_load(server: RealLlamaServer, guarded: bool, until_first_answers: bool) -> AiohttpBurst:
+async def burst_load(
+    server: RealLlamaServer, guarded: bool, until_first_answers: bool, policy: llama_guard.GuardPolicy | None = None
+) -> AiohttpBurst:
     stats = llama_guard.GuardStats() if guarded else None
     clients = [
         Client(
-            guarded_session(server.url, stats=stats, timeout=GUARDED_TIMEOUT)
+            guarded_session(server.url, stats=stats, timeout=GUARDED_TIMEOUT, policy=policy)
             if guarded
             else aiohttp.ClientSession(server.url, connector=aiohttp.TCPConnector(limit=1), timeout=PLAIN_TIMEOUT)
         )
@@ -143,11 +145,11 @@ async def burst_load(server: RealLlamaServer, guarded: bool, until_first_answers
     return AiohttpBurst(guarded, clients, time.monotonic() - started, stats)
 
 
-def burst_run(real_server, guarded: bool, until_first_answers: bool) -> AiohttpBurst:  # type: ignore[no-untyped-def]
+def burst_run(real_server, guarded: bool, until_first_answers: bool, policy=None) -> AiohttpBurst:  # type: ignore[no-untyped-def]
     """One burst on a fresh server, in the conditions that make the pool stall."""
     server = real_server(metrics=guarded, **STALL_SERVER)
     with stall_load():
-        burst = asyncio.run(burst_load(server, guarded, until_first_answers))
+        burst = asyncio.run(burst_load(server, guarded, until_first_answers, policy))
     if guarded:
         burst.server_ran = completions_ran(server, BURST_TOKENS)
     server.stop()
@@ -172,8 +174,23 @@ def test_aiohttp_burst_stalls_plain_sessions(real_server) -> None:  # type: igno
     assert all(isinstance(exc, TimeoutError) for exc in last.errors), last.summary()
 
 
+def test_aiohttp_burst_default_closes_and_nothing_stalls(real_server) -> None:  # type: ignore[no-untyped-def]
+    """Through ``guarded_session`` with the default policy, which on loopback closes every connection after its
+    request: in the stall condition, no connection stuck, nothing failed, nothing probed, the server ran exactly what
+    was answered (test_aiohttp_burst_stalls_plain_sessions shows plain sessions stall in the same condition)."""
+    burst = burst_run(real_server, True, False)
+    where = burst.summary()
+    print(f"guarded aiohttp default, {where}")
+    assert burst.stats is not None
+    assert burst.stuck == 0, f"{where}: {burst.stuck} connections never got a first response"
+    assert burst.errors == [], f"{where}: {[str(exc)[:120] for exc in burst.errors[:3]]}"
+    assert burst.stats.probes_sent == 0, where
+    assert burst.max_first_wait <= FIRST_RESPONSE_BOUND, where
+    assert burst.server_ran == burst.answered, where
+
+
 def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[no-untyped-def]
-    """Through ``guarded_session`` (the default policy, kicks on): no connection stuck, nothing failed, every first
+    """Through ``guarded_session`` (the keep-alive strategy, kicks on): no connection stuck, nothing failed, every first
     response within FIRST_RESPONSE_BOUND, the server ran exactly the completions answered, and a probe kicked or
     failed (the stall happened; else a fresh server is tried, at most STALL_TRIES), kicks rescued at least one
     stalled connection, with one stall reconnect for each failed probe."""
@@ -184,7 +201,7 @@ def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[n
     runs: list[AiohttpBurst] = []
 
     def run(number: int) -> AiohttpBurst:
-        burst = burst_run(real_server, True, False)
+        burst = burst_run(real_server, True, False, llama_guard.GuardPolicy(connection="reuse"))
         runs.append(burst)
         print(f"guarded aiohttp try {number}, {burst.summary()}")
         return burst

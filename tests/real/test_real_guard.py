@@ -372,21 +372,52 @@ def guarded_bursts(
     return runs, tries
 
 
+# The keep-alive strategy, forced: the server is on loopback, where the default closes every connection (below).
+REUSE = llama_guard.GuardPolicy(connection="reuse")
+
+
 @pytest.mark.slow
 def test_connection_burst_through_the_guard(real_server):
-    """The default policy (kicks on), for sync, asyncio and trio clients in turn: a burst on a fresh server, in the
-    conditions that make the pool stall. A probe that waited the learnt deadline opens a kick connection; the pool
-    thread it spawns serves the oldest unread connection, so stalled connections are answered where they are
+    """The keep-alive strategy (kicks on), for sync, asyncio and trio clients in turn: a burst on a fresh server, in
+    the conditions that make the pool stall. A probe that waited the learnt deadline opens a kick connection; the
+    pool thread it spawns serves the oldest unread connection, so stalled connections are answered where they are
     (`assert_burst_recovered` says what every run must show). A fresh server is tried again only if the run did
     not stall (at most STALL_TRIES, reported)."""
-    assert_burst_recovered(*guarded_bursts(real_server, FLAVORS, None, "guard"))
+    assert_burst_recovered(*guarded_bursts(real_server, FLAVORS, REUSE, "guard"))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings(PLAIN_TRIO_WARNING)
+def test_connection_burst_default_closes_and_nothing_stalls(real_server):
+    """The default policy on loopback closes every connection after its request (connection="auto" -> "close"),
+    sync and asyncio: in the same burst and conditions, where a plain keep-alive burst is first shown to stall (the
+    cause is there), no guarded connection is stuck, nothing fails, nothing is probed, every first response comes
+    within FIRST_RESPONSE_BOUND, and the server ran exactly the completions answered."""
+    for flavor in ("sync", "asyncio"):
+
+        def plain(number: int, flavor: str = flavor) -> BurstRun:
+            burst = burst_run(real_server, flavor, False, True)
+            print(f"plain {flavor} try {number}, {burst.summary()}, {burst.stuck} unanswered")
+            return burst
+
+        controls = until_stalled(plain, lambda burst: burst.stuck > 0)
+        assert controls[-1].stuck > 0, f"the plain bursts did not stall ({flavor}): the test would prove nothing"
+        run = burst_run(real_server, flavor, True, False)
+        where = run.summary()
+        print(f"guard default {flavor}, {where}; probes {run.guard_total('probes_sent')}")
+        assert run.stuck == 0, f"{where}: {run.stuck} connections never got a first response"
+        assert run.errors == [], f"{where}: {error_kinds(run.errors)}"
+        assert run.guard_total("probes_sent") == 0, where
+        assert run.max_first_wait <= FIRST_RESPONSE_BOUND, f"{where}: {run.slowest_first()}"
+        assert run.server_ran == run.sent, f"{where}: the server ran other than the completions answered"
 
 
 @pytest.mark.slow
 def test_connection_burst_replaces_stalled_connections_without_kicks(real_server):
-    """``GuardPolicy(probe_kick=False)``, sync and asyncio: the same burst, in the same conditions. A probe is
-    given up at the learnt deadline and its connection replaced; every run recovers all the same."""
-    policy = llama_guard.GuardPolicy(probe_kick=False)
+    """``GuardPolicy(connection="reuse", probe_kick=False)``, sync and asyncio: the same burst, in the same
+    conditions. A probe is given up at the learnt deadline and its connection replaced; every run recovers all the
+    same."""
+    policy = llama_guard.GuardPolicy(connection="reuse", probe_kick=False)
     runs, tries = guarded_bursts(real_server, ("sync", "asyncio"), policy, "guard without kicks")
     assert_burst_recovered(runs, tries)
     assert all(run.guard_total("probe_kicks") == 0 for run in runs)
