@@ -1,9 +1,12 @@
 """Cancellation: an asyncio or trio task cancelled at any point of a guarded request leaves nothing behind.
 
 A request is cancelled while it waits for response headers (on its first attempt, or on a retry, inside the guard's
-retry loop), while the guard probes its new connection (first attempt or retry), while the guard waits before a
-retry, in the middle of a streamed body (with the connection closed by header, or dropped by the guard), and while
-it is queued for the pool's only connection, which another request holds. Each time the test waits, on the server
+retry loop), while the guard probes its new connection (first attempt or retry), while it waits on a new connection
+the server never reads (no probe: the default on loopback), while the guard waits before a retry, in the middle of
+a streamed body (with the connection closed by header, or dropped by the guard), and while it is queued for the
+pool's only connection, which another request holds. The probe and the drop after a stream belong to keep-alive:
+those points pin ``connection="reuse"`` (the emulator is on loopback, where the default closes every connection and
+probes none); the others run with the default. Each time the test waits, on the server
 side or through the guard's own counters, until the request is really at that point; then it cancels the task, and
 checks:
 
@@ -72,6 +75,7 @@ POINTS = (
     "retry-waiting-for-headers",
     "probing",
     "retry-probing",
+    "unread-connection",
     "backoff",
     "mid-stream",
     "mid-stream-drop",
@@ -89,11 +93,13 @@ def chat(stream: bool, tokens: int = 4) -> dict[str, object]:
 def policy_for(point: str) -> GuardPolicy:
     if point.endswith("probing"):
         # A probe that would wait UNCANCELLED: the cancellation cuts it short.
-        return GuardPolicy(probe_timeout=UNCANCELLED, probe_timeout_max=UNCANCELLED, backoff=0.02)
+        return GuardPolicy(connection="reuse", probe_timeout=UNCANCELLED, probe_timeout_max=UNCANCELLED, backoff=0.02)
     # Elsewhere no probe is meant to be given up: a deadline a healthy probe meets on a loaded machine (at 0.5 s one
     # was given up under load, and the connection kept for the late-answer watch outlived the test's wait).
     if point == "mid-stream-drop":
-        return GuardPolicy(probe_timeout=HEALTHY_PROBE, probe_timeout_max=HEALTHY_PROBE, stream_mode="drop")
+        return GuardPolicy(
+            connection="reuse", probe_timeout=HEALTHY_PROBE, probe_timeout_max=HEALTHY_PROBE, stream_mode="drop"
+        )
     return GuardPolicy(probe_timeout=HEALTHY_PROBE, probe_timeout_max=HEALTHY_PROBE, backoff=0.02)
 
 
@@ -153,8 +159,9 @@ async def reached(point: str, server: LlamaServerEmulator, driver: Driver, victi
         await wait_until(
             lambda: server.stats().faults_triggered.get(Fault.HEADERS_NEVER) == times, timeout=EVENT_WAIT, what=point
         )
-    elif point.endswith("probing"):
-        # The probe (GET /health) sits unread on the new connection: the guard waits for its answer.
+    elif point.endswith("probing") or point == "unread-connection":
+        # The probe (GET /health), or without one the request itself, sits unread on the new connection: the guard
+        # waits for the probe's answer, or the client for the headers.
         await wait_until(
             lambda: any(held.unread_bytes > 0 for held in server.held_connections()), timeout=EVENT_WAIT, what=point
         )
@@ -176,7 +183,7 @@ def arm(point: str, server: LlamaServerEmulator) -> None:
         server.inject(Fault.RESET_BEFORE_READ)  # the first probe fails: a new connection
     if point.endswith("waiting-for-headers") or point == "waiting-for-pool":
         server.inject(Fault.HEADERS_NEVER, path=CHAT)
-    elif point.endswith("probing"):
+    elif point.endswith("probing") or point == "unread-connection":
         server.inject(Fault.NEVER_ANSWER_ACCEPT)
     elif point == "backoff":
         server.inject(Fault.STATUS_503, path=CHAT, retry_after=round(UNCANCELLED))
@@ -251,6 +258,9 @@ async def check_server(point: str, server: LlamaServerEmulator) -> None:
     stats = server.stats()
     if point.endswith("probing"):
         assert stats.requests_to(CHAT) == 0  # the real request was never written
+    elif point == "unread-connection":
+        assert stats.requests_to(CHAT) == 0  # written, never read: the server has nothing to run
+        assert stats.requests_to("/health") == 0  # and no probe went before it
     elif point == "retry-waiting-for-headers":
         assert stats.requests_to(CHAT) == 2  # the attempt closed unanswered, and the one cancelled
     elif point in ("waiting-for-headers", "backoff", "waiting-for-pool"):
