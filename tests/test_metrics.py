@@ -11,6 +11,7 @@ import asyncio
 import gc
 import inspect
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -521,3 +522,35 @@ def test_register_prometheus_registers_once() -> None:
         llama_guard.metrics.register_prometheus(registry)
     registry.unregister(collector)
     llama_guard.metrics.register_prometheus(registry)
+
+
+def test_stopped_instruments_report_nothing() -> None:
+    stats = GuardStats()
+    stats.of_origin("httpx", ORIGIN).record_request(1, 0.1, False)
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        instruments = instrument_opentelemetry(provider, sources=[stats])
+        assert otel_value(otel_points(reader), "llama_guard.requests").value == 1
+        instruments.stop()
+        data = reader.get_metrics_data()
+        points = otel_points(reader) if data is not None else {}
+    finally:
+        provider.shutdown()
+    assert all(not found for name, found in points.items() if name != "llama_guard.first_byte.duration")
+
+
+@pytest.mark.parametrize(
+    ("blocked", "make", "extra"),
+    [
+        ("prometheus_client", lambda: PrometheusCollector(), "prometheus"),
+        ("opentelemetry", lambda: instrument_opentelemetry(), "otel"),
+    ],
+)
+def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch, blocked: str, make: Any, extra: str) -> None:
+    """Without its library, an exporter says which extra to install (llama_guard itself imports neither)."""
+    for name in [name for name in sys.modules if name == blocked or name.startswith(blocked + ".")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, blocked, None)
+    with pytest.raises(ModuleNotFoundError, match=rf"pip install 'llama-guard\[{extra}\]'"):
+        make()
