@@ -1146,7 +1146,10 @@ def malformed_responses(draw: st.DrawFn) -> Sent:
 
 def _fetch(url: str, method: str, path: str, flavor: str, stream: bool) -> tuple[int, bytes]:
     """One request through a fresh guarded client; returns status and body, or raises what the client raised."""
-    policy = GuardPolicy(max_attempts=2, backoff=0.01, backoff_max=0.05, max_retry_after=0.2, probe_timeout=3.0)
+    # max_loading_wait: a 503 on every attempt (the fuzzed responses) is waited for up to it, attempts aside.
+    policy = GuardPolicy(
+        max_attempts=2, backoff=0.01, backoff_max=0.05, max_retry_after=0.2, probe_timeout=3.0, max_loading_wait=0.3
+    )
     body = {"messages": [{"role": "user", "content": "hi"}], "stream": stream} if method == "POST" else None
     if flavor == "sync":
         with httpx.Client(transport=llama_guard.GuardTransport(policy=policy), base_url=url, timeout=10.0) as client:

@@ -259,9 +259,10 @@ def test_a_broken_probe_answer_means_a_new_connection(server: LlamaServerEmulato
 
 
 def test_every_probe_failing_ends_in_a_clear_error(server: LlamaServerEmulator) -> None:
-    """A server that resets every new connection: attempts run out, and the error says what was tried."""
+    """A server that resets every new connection, probed (keep-alive): attempts run out, and the error says what was
+    tried."""
     server.inject(Fault.RESET_BEFORE_READ, count=None)
-    policy = GuardPolicy(max_attempts=3, backoff=0.0, probe_timeout=0.2)
+    policy = GuardPolicy(connection="reuse", max_attempts=3, backoff=0.0, probe_timeout=0.2)
     with (
         httpx.Client(transport=GuardTransport(policy=policy), base_url=server.url) as client,
         pytest.raises(httpx.ConnectError) as info,
@@ -326,7 +327,7 @@ def test_per_request_override(server: LlamaServerEmulator) -> None:
     with httpx.Client(transport=GuardTransport(), base_url=server.url) as client:
         response = client.post(CHAT, json=BODY, extensions={"llama_guard": {"first_byte_timeout": 0.3}})
         assert response.extensions["llama_guard"].reconnects == 1
-        with pytest.raises(ValueError, match="first_byte_timeout must be a number of seconds > 0"):
+        with pytest.raises(ValueError, match=r"first_byte_timeout must be a number of seconds >= 0\.001"):
             client.post(CHAT, json=BODY, extensions={"llama_guard": {"first_byte_timeout": -1}})
 
 
