@@ -178,8 +178,13 @@ def test_delay_is_a_pipeline(upstream: Upstream) -> None:
         reader.join(timeout=10)
     assert len(received) == 20
     lags = [r - t for r, t in zip(received, sent, strict=True)]
-    # One chunk per delay would make each lag 15 ms longer than the one before (0.3 s more for the last).
-    assert all(2 * DELAY - EARLY <= lag <= 2 * DELAY + LATE for lag in lags), lags
+    # Never early: every chunk waits its round trip.
+    assert min(lags) >= 2 * DELAY - EARLY, lags
+    # One chunk per delay would make each lag 15 ms longer than the one before (0.3 s more for the last five than the
+    # first five); a pipeline keeps them level. Compared by medians of five, so a busy machine's single late wake-up
+    # (measured up to 50 ms with two CPU-bound processes beside the suite) does not decide.
+    growth = statistics.median(lags[-5:]) - statistics.median(lags[:5])
+    assert growth < 0.15, lags
 
 
 def test_throughput_is_not_one_chunk_per_delay(upstream: Upstream) -> None:
