@@ -187,15 +187,6 @@ def test_a_server_loading_its_model_answers_the_request_itself(
     """llama-server loading a model answers everything, /health included, with 503 and closes. Under reuse the
     probe fails, but the caller gets the server's own 503 "Loading model" answer once max_loading_wait has passed
     (at once with 0), not a probe error; under the close strategy nothing is probed."""
-    if connection == "reuse" and loading_wait == 0:
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="max_loading_wait=0 under reuse: the probe's 503 reaches the caller as a ProbeError, the "
-                "request itself is never sent (suspected bug, reported)",
-            )
-        )
-
     async def scenario(url: str) -> Any:
         policy = GuardPolicy(
             connection=connection,  # type: ignore[arg-type]

@@ -111,11 +111,6 @@ def test_no_warning_when_the_policy_turns_probing_off(
     assert guard.stats.snapshot().probing_off is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="suspected bug, reported: _learn_trace_support (sync_transport.py, async_transport.py) says probing is off "
-    "whatever the request's connection strategy; under close nothing is probed by design",
-)
 def test_no_warning_under_the_close_strategy(server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture) -> None:
     """The default on loopback ("auto": close) probes no connection of any transport: a transport that could not
     be probed is nothing to warn about, and stats do not say probing is off."""

@@ -513,6 +513,10 @@ class RequestState:
         policy = self.policy
         now = time.monotonic()
         upcoming = state.upcoming_sleep or 0.0
+        if self.verdict is PROBE_LOADING:
+            # The probe found the server loading: the request itself has not been sent. It goes once, unprobed (the
+            # server reads connections), so the caller gets the server's own answer, whatever max_loading_wait is.
+            return False
         if self.loading_since is not None:
             return now + upcoming - self.loading_since >= policy.max_loading_wait
         if self.attempts - self.loading_attempts >= policy.max_attempts:
@@ -553,10 +557,13 @@ class RequestState:
     def _before_sleep(self, state: tenacity.RetryCallState) -> None:
         stall = self.verdict is not None and self.verdict.stall
         self.stats.record_retry(retry_reason(self.verdict), stall=stall)
-        message = "retrying %s (attempt %d of %d) in %.2f s after %s" % (  # noqa: UP031 (the logging style)
+        if self.loading_since is not None:
+            of = f"waiting for the server to load, {time.monotonic() - self.loading_since:.1f} s of max_loading_wait"
+        else:
+            of = f"attempt {self.attempts - self.loading_attempts + 1} of {self.policy.max_attempts}"
+        message = "retrying %s (%s) in %.2f s after %s" % (  # noqa: UP031 (the logging style)
             self.description,
-            self.attempts + 1,
-            self.policy.max_attempts,
+            of,
             state.upcoming_sleep,
             self.history[-1].partition(": ")[2] if self.history else "a failure",
         )

@@ -346,7 +346,7 @@ class GuardTransport(httpx.BaseTransport):
             self._reports_trace_events = True
             self.stats.probing_off = None
             return
-        if self._reports_trace_events is False or not run.policy.probe:
+        if self._reports_trace_events is False or not run.policy.probe or run.connection.strategy == "close":
             return
         self._reports_trace_events = False
         name = type(self._transport).__name__
