@@ -187,6 +187,7 @@ def test_a_server_loading_its_model_answers_the_request_itself(
     """llama-server loading a model answers everything, /health included, with 503 and closes. Under reuse the
     probe fails, but the caller gets the server's own 503 "Loading model" answer once max_loading_wait has passed
     (at once with 0), not a probe error; under the close strategy nothing is probed."""
+
     async def scenario(url: str) -> Any:
         policy = GuardPolicy(
             connection=connection,  # type: ignore[arg-type]
