@@ -42,6 +42,7 @@ __all__ = [
     "REUSE_UNDECIDED",
     "ConnectionBook",
     "announce_choice",
+    "teach",
     "MIN_CONNECTS",
     "MIN_REQUESTS",
     "ConnectionChoice",
@@ -206,6 +207,19 @@ class ConnectionBook:
 CONNECTION_BOOK = ConnectionBook()
 
 
+def teach(
+    origin: Origin, stats: GuardStats, *, connect_cost: float | None = None, request: float | None = None
+) -> None:
+    """Teach ``origin``'s ``"auto"`` strategy a new connection's cost or a request's time; a choice it makes is
+    announced (`announce_choice`)."""
+    connections = CONNECTION_BOOK.of(origin)
+    decided = connections.connected(connect_cost) if connect_cost is not None else None
+    if request is not None:
+        decided = connections.answered(request) or decided
+    if decided is not None:
+        announce_choice(origin, decided, stats)
+
+
 def announce_choice(origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
     """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
     stats.record_connection_choice(str(origin), str(choice))
@@ -244,7 +258,4 @@ class Strategies:
 
     def answered(self, scheme: str, host: str, port: int | None, first_byte: float) -> None:
         """A request answered at its first attempt while its origin's strategy is being measured."""
-        origin = Origin.of(scheme, host, port)
-        decided = CONNECTION_BOOK.of(origin).answered(first_byte)
-        if decided is not None:
-            announce_choice(origin, decided, self._stats)
+        teach(Origin.of(scheme, host, port), self._stats, request=first_byte)

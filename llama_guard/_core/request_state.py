@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import tenacity
 
-from .connection_strategy import CONNECTION_BOOK, REUSE_UNDECIDED, ConnectionChoice, announce_choice
+from .connection_strategy import REUSE_UNDECIDED, ConnectionChoice, teach
 from .decisions import (
     PROBE_LOADING,
     FailureKind,
@@ -267,9 +267,7 @@ class RequestState:
         plus the probe's round trip, at least what a new connection per request would add (a round trip that the
         connect may not show: a proxy or relay accepts at once and defers the handshake's cost to the first byte)."""
         self.connect_seconds = None
-        decided = CONNECTION_BOOK.of(self.origin).connected(seconds)
-        if decided is not None:
-            announce_choice(self.origin, decided, self.stats)
+        teach(self.origin, self.stats, connect_cost=seconds)
 
     def connected(self) -> None:
         """The new connection is up (and probed, when probing): nothing of the request is written to it yet."""
@@ -612,6 +610,4 @@ class RequestState:
 
     def answered(self, first_byte: float) -> None:
         """Teach the origin's ``"auto"`` connection strategy a request's time, while it is measuring."""
-        decided = CONNECTION_BOOK.of(self.origin).answered(first_byte)
-        if decided is not None:
-            announce_choice(self.origin, decided, self.stats)
+        teach(self.origin, self.stats, request=first_byte)
