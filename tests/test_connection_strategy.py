@@ -22,6 +22,7 @@ from llama_guard._core.connection_strategy import (
     MIN_CONNECTS,
     MIN_REQUESTS,
     OriginConnections,
+    announce_choice,
     is_loopback_host,
 )
 from llama_guard._core.origins import Origin
@@ -105,6 +106,28 @@ def test_measured_choice(connect: float, request_time: float, strategy: str) -> 
     assert f"{CLOSE_COST_SHARE:.0%}" in decided.reason
     assert connections.choice("auto") is decided
     assert connections.answered(request_time) is None  # decided once: later samples change nothing
+
+
+def test_a_provisional_choice_reported_late_never_replaces_the_final_one() -> None:
+    """A request that read "measuring" just before another request's sample made the choice reports after it (CI saw
+    this race): stats keep the final choice, and a `choice` call that lost the race returns the final one."""
+    connections = OriginConnections(REMOTE)
+    provisional = connections.choice("auto")
+    assert not provisional.final
+    for _ in range(MIN_CONNECTS):
+        connections.connected(0.0001)
+    for _ in range(MIN_REQUESTS):
+        final = connections.answered(1.0)
+    assert final is not None and final.final
+    assert connections._measuring() is final  # the lock-free read in `choice` saw None; the locked one sees it
+
+    stats = llama_guard.GuardStats()
+    announce_choice(REMOTE, final, stats)
+    announce_choice(REMOTE, provisional, stats)  # the late report
+    assert stats.snapshot().connection_strategies == {str(REMOTE): str(final)}
+    other = Origin("http", "10.0.0.9", 8080)
+    announce_choice(other, provisional, stats)  # an origin still measuring reports it
+    assert stats.snapshot().connection_strategies[str(other)] == str(provisional)
 
 
 async def requests_in_a_row(flavor: str, url: str, policy: GuardPolicy, count: int) -> object:

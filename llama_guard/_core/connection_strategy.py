@@ -141,6 +141,8 @@ class OriginConnections:
 
     def _measuring(self) -> ConnectionChoice:
         with self._lock:
+            if self._choice is not None:  # made since `choice` looked
+                return self._choice
             connects, requests = len(self._connects), len(self._requests)
         return ConnectionChoice(
             "reuse",
@@ -222,7 +224,7 @@ def teach(
 
 def announce_choice(origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
     """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
-    stats.record_connection_choice(str(origin), str(choice))
+    stats.record_connection_choice(str(origin), str(choice), final=choice.final)
     if choice.final and CONNECTION_BOOK.of(origin).first_announcement(choice):
         logger.info("llama_guard: connections to %s: %s", origin, choice)
 

@@ -234,6 +234,7 @@ class GuardStats:
         self.probing_off: str | None = None  # set by a transport that cannot probe; see StatsSnapshot
         self.late_answers_unseen: str | None = None  # set when a given-up connection cannot be watched; ditto
         self.connection_strategies: dict[str, str] = {}  # origin -> its connection strategy; see StatsSnapshot
+        self._final_strategies: set[str] = set()  # origins whose strategy is chosen: a provisional one never returns
         self.bypassed: str | None = None  # set when a closing transport finds its client sent round it; ditto
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
         self._by_origin: dict[tuple[str, Origin], GuardStats] = {}
@@ -330,10 +331,16 @@ class GuardStats:
                 self.probes_failed += 1
                 self.probes_given_up += given_up
 
-    def record_connection_choice(self, origin: str, choice: str) -> None:
-        """The connection strategy of ``origin`` (``GuardPolicy.connection``) is ``choice`` now."""
+    def record_connection_choice(self, origin: str, choice: str, *, final: bool = True) -> None:
+        """The connection strategy of ``origin`` (``GuardPolicy.connection``) is ``choice`` now. A provisional one
+        (``final=False``: auto still measuring) never replaces a final one: a request that read its strategy just
+        before another made the choice reports after it."""
         if self.connection_strategies.get(origin) != choice:
             with self._lock:
+                if final:
+                    self._final_strategies.add(origin)
+                elif origin in self._final_strategies:
+                    return
                 self.connection_strategies = {**self.connection_strategies, origin: choice}
 
     def record_admission_wait(self, seconds: float) -> None:
