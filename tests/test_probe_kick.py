@@ -24,6 +24,7 @@ import pytest
 from llama_guard import GuardPolicy, Origin
 from llama_guard._core.log import STALL_LOG, WARN_ONCE
 from llama_guard._core.origin_probes import ProbeBook
+from llama_guard._core.probe_machine import Kick
 from llama_guard._core.stats import GuardStats
 from llama_guard._httpx.async_transport import _kick as async_kick
 from llama_guard._httpx.attempts import RequestRun
@@ -153,7 +154,8 @@ def unused_port() -> int:
 
 
 def kick_once(flavor: str, port: int) -> RequestRun:
-    """One kick of a fresh request to ``port``, by the httpx transport's own ``_kick`` of that flavour."""
+    """One kick of a fresh request to ``port``: the httpx transport's own ``_kick`` of that flavour does the I/O, and
+    reports to the request as its probe machine does (`Kicked` → `RequestState.probe_kicked`)."""
     run = RequestRun(
         httpx.Request("POST", f"http://127.0.0.1:{port}{CHAT}"),
         Origin("http", "127.0.0.1", port),
@@ -166,10 +168,9 @@ def kick_once(flavor: str, port: int) -> RequestRun:
         started=time.monotonic(),
         book=ProbeBook(),
     )
-    if flavor == "sync":
-        sync_kick(run)
-    else:
-        anyio.run(async_kick, run, backend=flavor)
+    kick = Kick("127.0.0.1", port)
+    failure = sync_kick(kick) if flavor == "sync" else anyio.run(async_kick, kick, backend=flavor)
+    run.probe_kicked(failure)
     return run
 
 

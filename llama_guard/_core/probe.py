@@ -69,6 +69,9 @@ class ProbeExchange:
                 elif isinstance(event, h11.EndOfMessage):
                     assert self._status is not None
                     keep_alive = self._connection.their_state is h11.DONE and self._connection.our_state is h11.DONE
+                    trailing = len(self._connection.trailing_data[0])
+                    if trailing:  # they would be read as the real request's response
+                        raise ProbeProtocolError(f"{trailing} bytes after the answer to GET {PROBE_PATH}")
                     return ProbeAnswer(self._status, keep_alive)
                 elif isinstance(event, h11.ConnectionClosed):
                     raise ProbeProtocolError(f"the server closed the connection before answering GET {PROBE_PATH}")

@@ -12,19 +12,35 @@ from typing import Any, NoReturn
 
 import httpcore
 import httpx
-import tenacity
 
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is
-from .._core.late_answers import GivenUpWatches, WatchedConnection
+from .._core.late_answers import GivenUpWatches
 from .._core.log import STALL_LOG, WARN_ONCE, logger
-from .._core.origin_probes import PROBE_BOOK, PROBE_SLICE
+from .._core.origin_probes import PROBE_BOOK
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
-from .._core.probe import ProbeExchange, ProbeProtocolError
+from .._core.probe_machine import (
+    READ_SIZE,
+    Abort,
+    Broken,
+    Cancelled,
+    Kick,
+    Kicked,
+    ProbeEvent,
+    ProbeMachine,
+    Read,
+    Received,
+    Start,
+    TimedOut,
+    Usable,
+    Write,
+    Written,
+)
 from .._core.request_state import MAX_RETRIED_ERROR_BODY, RETRIED_STATUSES
 from .._core.result import EXTENSION, new_result
+from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats
 from .sync_connections import track_connections
 from .attempts import FirstAttempt, RequestRun, request_body
@@ -55,20 +71,16 @@ MAX_ACCOUNTS = 256
 
 # Kicks open a bare TCP connection with httpcore's public backend (the pool's own is the caller's to configure).
 _KICK_BACKEND = httpcore.SyncBackend()
-_KICK_CONNECT_TIMEOUT = 1.0
 
 
-def _kick(run: RequestRun) -> None:
-    """Open one TCP connection to the origin and close it at once (`GuardPolicy.probe_kick`): accepting it makes
-    llama-server's pool spawn a thread (before b11737), which serves the oldest unread connection first. Nothing is
-    written: the server reads the end of the connection and closes its side."""
+def _kick(kick: Kick) -> BaseException | None:
+    """Open one TCP connection and close it at once, writing nothing (`probe_machine.Kick`); the failure if any."""
     try:
-        stream = _KICK_BACKEND.connect_tcp(run.request.url.host, run.origin.port, timeout=_KICK_CONNECT_TIMEOUT)
+        stream = _KICK_BACKEND.connect_tcp(kick.host, kick.port, timeout=kick.timeout)
     except (httpcore.NetworkError, httpcore.TimeoutException, OSError) as exc:
-        run.probe_kicked(exc)
-    else:
-        stream.close()
-        run.probe_kicked()
+        return exc
+    stream.close()
+    return None
 
 
 class GuardTransport(httpx.BaseTransport):
@@ -269,23 +281,22 @@ class GuardTransport(httpx.BaseTransport):
         """A request with a `RequestRun`: its attempts, retries, result and counters. ``first``: the outcome of its
         first attempt when that was sent already (as a `FirstAttempt`), else None."""
         try:
-            # Attempts after the first run under tenacity; most requests never need them.
-            try:
-                if first is None:
-                    response = self._attempt(run)
-                elif isinstance(first, Exception):
-                    self._attempt_failed(run, first)
-                else:
-                    response = self._attempt_answered(run, first)
-            except Exception as exc:
-                if not run.may_retry:
-                    if isinstance(exc, httpx.TransportError):
-                        raise run.final_error(exc) from exc
-                    raise
-                response = self._retry(run, exc)
+            if first is None:
+                outcome = self._attempt(run)
+            elif isinstance(first, Exception):
+                outcome = self._attempt_failed(run, first)
             else:
-                if run.may_retry:
-                    response = self._retry(run, response)
+                outcome = self._attempt_answered(run, first)
+            # Attempts after the first, paced and bounded by the retry schedule; most requests never need them.
+            schedule = RetrySchedule(run)
+            while (delay := schedule.next_delay()) is not None:
+                time.sleep(delay)
+                outcome = self._attempt(run)
+            if isinstance(outcome, Exception):
+                if isinstance(outcome, httpx.TransportError):
+                    raise run.final_error(outcome) from outcome
+                raise outcome
+            response = outcome
             closing = run.close_connection
             if not closing and run.policy.stream_mode != "off" and self._is_streaming(response.headers):
                 closing = self._drop_after_stream(response, run.stats)
@@ -295,32 +306,9 @@ class GuardTransport(httpx.BaseTransport):
             # One locked update of the counters per request, however it ended.
             run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
 
-    def _retry(self, run: RequestRun, first: httpx.Response | Exception) -> httpx.Response:
-        """Attempts after the first, paced and bounded by tenacity.
-
-        tenacity's attempt 1 replays the outcome of the first attempt (no I/O), so its attempt numbers, backoff,
-        stop conditions and hooks see the whole history.
-        """
-        retrying = tenacity.Retrying(sleep=time.sleep, **run.retrying_kwargs())
-        response = first if isinstance(first, httpx.Response) else None
-        try:
-            for attempt in retrying:
-                with attempt:
-                    if attempt.retry_state.attempt_number > 1:
-                        response = self._attempt(run)
-                    elif isinstance(first, Exception):
-                        raise first
-        except tenacity.RetryError:
-            # Attempts ran out on a 503/429: the caller gets that last response (already read). tenacity's
-            # iteration mode does not keep results, so it is the one the loop assigned last.
-            pass
-        except httpx.TransportError as exc:
-            raise run.final_error(exc) from exc
-        assert response is not None
-        return response
-
-    def _attempt(self, run: RequestRun) -> httpx.Response:
-        # The usual way: the hooks on the pool (_async_network.py) see a new connection and report it to this
+    def _attempt(self, run: RequestRun) -> httpx.Response | Exception:
+        """One attempt, judged: its response, or the error to raise from it (retried or not by the schedule)."""
+        # The usual way: the hooks on the pool (sync_connections.py) see a new connection and report it to this
         # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all. A
         # transport whose pool is out of reach is followed through httpcore's trace extension instead.
         trace = None if self._hooked else _SyncTracer(run, self._probe)
@@ -328,7 +316,7 @@ class GuardTransport(httpx.BaseTransport):
         try:
             response = self._transport.handle_request(request)
         except Exception as exc:
-            self._attempt_failed(run, exc)
+            return self._attempt_failed(run, exc)
         except BaseException:
             run.end_attempt()
             raise
@@ -362,34 +350,37 @@ class GuardTransport(httpx.BaseTransport):
             run.origin,
         )
 
-    def _attempt_failed(self, run: RequestRun, exc: Exception) -> NoReturn:
-        """Judge the attempt's failure (the verdict goes to ``run``), end the attempt, and raise: the exception
-        itself, or the guard's name for it (a first-byte expiry becomes `FirstByteTimeout`)."""
+    def _attempt_failed(self, run: RequestRun, exc: Exception) -> Exception:
+        """Judge the attempt's failure (the verdict goes to ``run``) and end the attempt; the error to raise: the
+        exception itself, or the guard's name for it (a first-byte expiry becomes `FirstByteTimeout`)."""
         error = run.attempt_failed(exc)
         run.end_attempt()
-        if error is exc:
-            raise exc
-        raise error from exc
+        if error is not exc:
+            error.__cause__ = exc
+        assert isinstance(error, Exception)
+        return error
 
-    def _attempt_answered(self, run: RequestRun, response: httpx.Response) -> httpx.Response:
+    def _attempt_answered(self, run: RequestRun, response: httpx.Response) -> httpx.Response | Exception:
         if run.headers_arrived(response):
             # A short error body; read it so the connection goes back to the pool, and so the caller still gets
             # it whole if this turns out to be the last attempt.
             try:
                 response.read()
+            except Exception as exc:  # judged as the 503/429 it was: retried by the schedule
+                return exc
             finally:
                 response.close()
             assert len(response.content) <= MAX_RETRIED_ERROR_BODY
         return response
 
     def _probe(self, stream: Any, run: RequestRun) -> None:
-        """Ask a new connection for ``GET /health`` before the real request is written to it.
+        """Ask a new connection for ``GET /health`` before the real request is written to it: the I/O of a
+        `ProbeMachine`, which decides everything else.
 
-        Runs inside httpcore's connect, from the pool's network backend (``_async_network.py``) or the ``trace``
+        Runs inside httpcore's connect, from the pool's network backend (``sync_connections.py``) or the ``trace``
         extension, with the new network stream. On failure the error fails the connect, so the connection never
         enters the pool and the request is retried on a fresh one; the stream is closed here (httpcore has not
-        stored it yet). When the probe was given up, a duplicate of its socket is watched a while for a late answer
-        (`_core/late_answers.py`).
+        stored it yet).
         """
         if run.origin in self._unprobeable:
             return
@@ -398,60 +389,38 @@ class GuardTransport(httpx.BaseTransport):
             # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
             run.probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
             return
-        exchange = ProbeExchange(run.host_header)
-        run.probe_started()
-        deadline = run.next_probe_deadline()
-        started = time.monotonic()
-        try:
-            stream.write(exchange.request_bytes(), timeout=deadline)
-            answer = None
-            while answer is None:
-                # The deadline in force may change while this probe waits: other probes of the origin are answered.
-                deadline = run.next_probe_deadline()
-                elapsed = time.monotonic() - started
-                remaining = deadline - elapsed
-                if remaining <= 0:
-                    raise httpcore.ReadTimeout(f"no answer within {deadline:g} s")
-                kick_now, remaining = run.probe_wait(elapsed, remaining)
-                if kick_now:
-                    _kick(run)
-                    continue
-                try:
-                    data = stream.read(65536, timeout=min(remaining, PROBE_SLICE))
-                except httpcore.ReadTimeout:
-                    run.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
-                    continue
-                answer = exchange.feed(data)
-        except httpcore.TimeoutException as exc:
-            watched = WatchedConnection.of(stream.get_extra_info("socket"))
-            self._given_up.add(run.probe_given_up(time.monotonic() - started, watched))
-            stream.close()
-            raise ProbeTimeout(
-                f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
-                "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
-                request=run.request,
-            ) from exc
-        except (httpcore.NetworkError, httpcore.ProtocolError, ProbeProtocolError) as exc:
-            stream.close()
-            run.probe_failed(time.monotonic() - started)
-            raise ProbeError(
-                f"the probe of a new connection to {run.origin} failed: {exc}", request=run.request
-            ) from exc
-        except BaseException:
-            stream.close()
-            run.probe_abandoned()
-            raise
-        if answer.keep_alive:
-            run.probe_answered(time.monotonic() - started)
-        else:  # an answer that closes the connection fails the probe (counted with the ProbeError it raises)
-            run.probe_failed(time.monotonic() - started)
-            stream.close()
-            if run.probe_closed(answer.status):
-                self._unprobeable.add(run.origin)
-            raise ProbeError(
-                f"{run.origin} answered GET /health with {answer.status} and closed the connection",
-                request=run.request,
-            )
+        machine = ProbeMachine(run, socket=stream.get_extra_info("socket"))
+        action = machine.next(Start())
+        while not isinstance(action, Usable):
+            if isinstance(action, Abort):
+                stream.close()
+                self._aborted(action, run)
+            event: ProbeEvent
+            try:
+                if isinstance(action, Write):
+                    stream.write(action.data, timeout=action.timeout)
+                    event = Written()
+                elif isinstance(action, Read):
+                    event = Received(stream.read(READ_SIZE, timeout=action.timeout))
+                else:
+                    event = Kicked(_kick(action))
+            except httpcore.TimeoutException:
+                event = TimedOut()
+            except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
+                event = Broken(exc)
+            except BaseException:
+                machine.next(Cancelled())
+                stream.close()
+                raise
+            action = machine.next(event)
+
+    def _aborted(self, abort: Abort, run: RequestRun) -> NoReturn:
+        """A probe failed (its stream closed): keep its late-answer watch, and fail the connect."""
+        if abort.watch is not None:
+            self._given_up.add(abort.watch)
+        if abort.unprobeable:
+            self._unprobeable.add(run.origin)
+        raise (ProbeTimeout if abort.timed_out else ProbeError)(abort.message, request=run.request)
 
     def _pass_through(self, request: httpx.Request, origin: Origin) -> httpx.Response:
         self.stats.add(passthrough=1)
