@@ -1,0 +1,188 @@
+"""The hook on urllib3's new connections: report the connect to the guarded request, and probe the connection.
+
+urllib3 connects lazily, inside ``urlopen`` (its ``HTTPConnection.connect()``, called when the request is written or,
+for https, before). A hooked pool (``pool_guard.py``) makes its connections of a subclass of its own connection
+class whose ``connect()`` asks `CURRENT_RUN` which guarded attempt it runs for: none (a request the guard passed by)
+costs one context-variable lookup; for a guarded one it reports the connect (the attempt then got as far as a new
+connection: a failure before it is up sent nothing), waits for its turn when the origin admits new connections one at
+a time, and probes the connection (``GET /health``, after TLS for https) before urllib3 writes the request to it.
+The probe's decisions are the shared `ProbeMachine`'s; this file only does its socket I/O.
+
+A pooled connection that urllib3 reuses never calls ``connect()``: it pays nothing here.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+from .._core.origin_probes import OriginProbes
+from .._core.probe_machine import (
+    READ_SIZE,
+    Abort,
+    Broken,
+    Cancelled,
+    Kick,
+    Kicked,
+    ProbeMachine,
+    ProbeState,
+    Read,
+    Received,
+    Start,
+    TimedOut,
+    Usable,
+    Write,
+    Written,
+)
+from .._core.request_state import MAX_SOCKET_WAIT
+from .._core.turns import ThreadTurn
+from .attempts import CURRENT_RUN, Urllib3Run
+from .exceptions import Urllib3ProbeError, Urllib3ProbeTimeout
+
+__all__ = ["GuardedConnection", "guarded_connection_class", "original_connection_class"]
+
+
+class GuardedConnection:
+    """Mixin of the guard's connection classes (``Guarded<urllib3 class>``): ``connect()`` as urllib3's, reported
+    to the guarded attempt it runs for and, when that request probes, followed by the probe."""
+
+    def connect(self) -> None:
+        run = CURRENT_RUN.get()
+        if run is None:
+            super().connect()  # type: ignore[misc]
+            return
+        _connect(self, run, super().connect)  # type: ignore[misc]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def guarded_connection_class(base: type) -> type:
+    """``Guarded<base>``: ``base`` (a urllib3 ``HTTPConnection`` class) with the guard's ``connect()``; made once."""
+    if issubclass(base, GuardedConnection):
+        return base
+    cls = _CLASSES.get(base)
+    if cls is None:
+        name = f"Guarded{base.__name__}"
+        cls = _CLASSES[base] = type(name, (GuardedConnection, base), {"__module__": __name__, "__qualname__": name})
+    return cls
+
+
+def original_connection_class(cls: type) -> type:
+    """The urllib3 class a guarded connection class was made of (``cls`` itself otherwise)."""
+    if issubclass(cls, GuardedConnection):
+        return cls.__mro__[2]
+    return cls
+
+
+def _connect(connection: Any, run: Urllib3Run, connect: Any) -> None:
+    """A guarded attempt's new connection: connected by urllib3 (``connect``), timed, and probed when it goes to
+    the origin itself and the request probes."""
+    url = run.request.url
+    # Probe only a connection to the origin itself: through a proxy (forwarding or CONNECT) it is the proxy's.
+    direct = connection.proxy is None and connection.host == url.host and connection.port == run.origin.port
+    if not direct and run.probing:
+        run.probing_off(f"they go through a proxy at {connection.host}:{connection.port}")
+    run.connecting()
+    probing = direct and run.probing and run.origin not in run.guard.unprobeable
+    # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
+    # TLS handshake comes inside urllib3's connect.
+    ticket = _admission(run, connection.timeout) if probing and url.scheme == "http" else None
+    try:
+        connect()  # TCP, and TLS for https: the connection is ready for HTTP
+        run.connection_ready()
+        if probing:
+            _probe(connection, run)
+    finally:
+        if ticket is not None:
+            run.origin_probes.leave(ticket)
+    run.connected()
+
+
+def _admission(run: Urllib3Run, timeout: Any) -> int | None:
+    """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the ticket to hand
+    back once it is probed, or None. Bounded by the connect timeout."""
+    probes: OriginProbes = run.origin_probes
+    if not probes.admission_needed(run.policy):
+        return None
+    turn = ThreadTurn()
+    ticket = probes.take_ticket(turn)
+    if probes.admit(ticket):
+        return ticket
+    bound = timeout if isinstance(timeout, (int, float)) else None
+    started = time.monotonic()
+    try:
+        if not turn.wait_until(lambda: probes.admit(ticket), bound):
+            raise Urllib3ProbeTimeout(
+                f"waited {bound:g} s (the connect timeout) for the other new connections to {probes.origin} to be "
+                "probed first (connect_admission)"
+            )
+    except BaseException:  # timed out or interrupted while waiting: give the place up
+        probes.leave(ticket)
+        raise
+    run.stats.record_admission_wait(time.monotonic() - started)
+    return ticket
+
+
+def _probe(connection: Any, run: Urllib3Run) -> None:
+    """Ask the new connection for ``GET /health`` before urllib3 writes the request to it (the I/O of the shared
+    `ProbeMachine`). On failure the connection is closed and the error fails urllib3's connect: nothing of the
+    request was written, and the guard sends it again on a fresh connection."""
+    sock = connection.sock
+    before = sock.gettimeout()
+    machine = ProbeMachine(run, socket=sock)
+    action = machine.next(Start())
+    try:
+        while True:
+            if isinstance(action, Write):
+                sock.settimeout(min(action.timeout, MAX_SOCKET_WAIT))
+                try:
+                    sock.sendall(action.data)
+                    event: Any = Written()
+                except TimeoutError:
+                    event = TimedOut()
+                except OSError as error:
+                    event = Broken(error)
+            elif isinstance(action, Read):
+                sock.settimeout(min(action.timeout, MAX_SOCKET_WAIT))
+                try:
+                    event = Received(sock.recv(READ_SIZE))
+                except TimeoutError:
+                    event = TimedOut()
+                except OSError as error:
+                    event = Broken(error)
+            elif isinstance(action, Kick):
+                event = _kick(action)
+            elif isinstance(action, Usable):
+                sock.settimeout(before)
+                return
+            else:
+                _abort(connection, run, action)
+            action = machine.next(event)
+    except BaseException:
+        if machine.state is not ProbeState.DONE:  # interrupted (KeyboardInterrupt, a signal's exception)
+            machine.next(Cancelled())
+            connection.close()
+        raise
+
+
+def _kick(action: Kick) -> Kicked:
+    """Open a bare TCP connection and close it at once, writing nothing (`GuardPolicy.probe_kick`)."""
+    try:
+        socket.create_connection((action.host, action.port), timeout=action.timeout).close()
+    except OSError as error:
+        return Kicked(error)
+    return Kicked()
+
+
+def _abort(connection: Any, run: Urllib3Run, action: Abort) -> None:
+    connection.close()
+    guard = run.guard
+    if action.watch is not None:
+        guard.given_up.add(action.watch)
+    if action.unprobeable:
+        guard.unprobeable.add(run.origin)
+    if action.timed_out:
+        raise Urllib3ProbeTimeout(action.message)
+    raise Urllib3ProbeError(connection, action.message)

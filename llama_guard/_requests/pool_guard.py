@@ -1,0 +1,394 @@
+"""`PoolGuard`: the guard as a driver of urllib3's ``HTTPConnectionPool.urlopen``, under requests and urllib3 alike.
+
+requests sends every request through urllib3 (``HTTPAdapter.send`` calls a pool's ``urlopen``), so one driver serves
+both: `GuardAdapter` hooks the pools of its own pool managers, `install()` the pools of every requests session and
+urllib3 ``PoolManager`` at their first request to a llama-server origin. Each call of ``urlopen`` for a llama-server
+origin becomes a guarded request: its attempts (each one ``urlopen`` of the pool's own method, sent once by urllib3),
+the connection strategy's ``Connection: close``, the probe of new connections (``connections.py``), the retry
+schedule of the shared core (`RetrySchedule`, the verdicts of `RequestState`), the drop of a stream's connection, the
+per-response result and the counters. Every decision is the core's; this file does urllib3's I/O.
+
+How the guard's retries and urllib3's own ``Retry`` combine: for a llama-server origin the guard is the one retry
+loop. Each attempt goes to urllib3 with the caller's ``Retry`` less its retries (``total=None``, and no connect,
+read, status or other retry: a redirect is still followed as the caller allowed), so urllib3 sends each attempt
+once, and a request goes out at most ``max_attempts`` times (the attempts that found the server loading aside) --
+never the product of the two budgets. A one-shot body (a generator, a file) is never sent twice, by either.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import io
+import threading
+import time
+import weakref
+from typing import Any
+
+from urllib3.response import BaseHTTPResponse, HTTPResponse
+from urllib3.util.retry import Retry
+from urllib3.util.timeout import Timeout
+
+from .._core.connection_strategy import Strategies
+from .._core.decisions import is_streaming_response, wants_stream
+from .._core.late_answers import GivenUpWatches
+from .._core.log import STALL_LOG
+from .._core.origin_probes import PROBE_BOOK
+from .._core.origins import Origin, OriginRegistry
+from .._core.policy import GuardPolicy
+from .._core.result import GuardResult
+from .._core.retry_schedule import RetrySchedule
+from .._core.stats import GuardStats
+from .attempts import CURRENT_RUN, RequestView, Url, Urllib3Run, caller_read_timeout
+from .connections import guarded_connection_class, original_connection_class
+
+__all__ = ["OPTIONS", "PoolGuard", "pool_guard_of", "result_of_urllib3"]
+
+# urlopen's parameters in order, so that a positional call is read as keywords.
+_PARAMS = (
+    "method",
+    "url",
+    "body",
+    "headers",
+    "retries",
+    "redirect",
+    "assert_same_host",
+    "timeout",
+    "pool_timeout",
+    "release_conn",
+    "chunked",
+    "body_pos",
+    "preload_content",
+    "decode_content",
+)
+# The attribute a guarded response carries its `GuardResult` in, and a connection its drop mark.
+RESULT_ATTRIBUTE = "_llama_guard_result"
+_DROP_ATTRIBUTE = "_llama_guard_drop"
+# The attribute of a hooked pool: the guard that hooked it, and what the pool was before.
+_HOOK_ATTRIBUTE = "_llama_guard_pool"
+
+# Per-request options, set by `request_options()` (``llama_guard.requests``) for the requests of this thread.
+OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "llama_guard_requests_options", default=None
+)
+
+
+def result_of_urllib3(response: object) -> GuardResult | None:
+    """The `GuardResult` of a urllib3 response the guard handled; None otherwise."""
+    result = getattr(response, RESULT_ATTRIBUTE, None)
+    return result if isinstance(result, GuardResult) else None
+
+
+def pool_guard_of(pool: object) -> PoolGuard | None:
+    """The guard that hooked ``pool``, if one did."""
+    hook = getattr(pool, _HOOK_ATTRIBUTE, None)
+    return hook.guard if isinstance(hook, _PoolHook) else None
+
+
+class _PoolHook:
+    """What a guard changed on one pool, to put it back (`PoolGuard.unhook`)."""
+
+    __slots__ = ("connection_class", "guard", "origin", "own_class", "own_put")
+
+    def __init__(self, guard: PoolGuard, pool: Any) -> None:
+        self.guard = guard
+        self.origin = Origin.of(pool.scheme, pool.host, pool.port)
+        instance = pool.__dict__
+        self.own_class = "ConnectionCls" in instance  # an instance attribute of the pool's own, to restore
+        self.connection_class = pool.ConnectionCls
+        self.own_put = "_put_conn" in instance
+
+
+class PoolGuard:
+    """The guard's state for the pools it hooks: settings, counters, connection strategies, given-up probes.
+
+    ``stack``: the name of the stack in the counts per origin (``"requests"``, ``"urllib3"``); ``explicit``: its
+    pools are an explicit guard's (`GuardAdapter`), which `install()` leaves alone.
+    """
+
+    def __init__(
+        self,
+        *,
+        policy: GuardPolicy,
+        stats: GuardStats,
+        origins: OriginRegistry,
+        stack: str,
+        explicit: bool,
+    ) -> None:
+        self.policy = policy
+        self.stats = stats
+        self.origins = origins
+        self.stack = stack
+        self.explicit = explicit
+        self.strategies = Strategies(policy.connection, stats)
+        self.given_up = GivenUpWatches()  # connections whose probe was given up, watched for a late answer
+        self.unprobeable: set[Origin] = set()  # origins that close a probed connection: probing them cannot work
+        self._accounts: dict[Origin, GuardStats] = {}
+        self._pools: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    # -- the pools ---------------------------------------------------------------------------------------------
+
+    def hook(self, pool: Any) -> None:
+        """Put the guard on ``pool`` (once): its new connections' class, its ``_put_conn`` (a llama stream's
+        connection is closed, never pooled) and, for an explicit guard, its ``urlopen`` (`install()` wraps the
+        class's instead). An explicit guard takes a pool over from `install()`'s, never the other way round."""
+        with self._lock:
+            current = pool_guard_of(pool)
+            if current is self:
+                return
+            if current is not None:
+                if current.explicit and not self.explicit:
+                    return
+                current.unhook(pool)
+            hook = _PoolHook(self, pool)
+            guarded = guarded_connection_class(pool.ConnectionCls)
+            pool.ConnectionCls = guarded
+            _swap_idle_connections(pool, guarded_connection_class)
+            pool._put_conn = functools.partial(_put_conn, pool, type(pool)._put_conn)
+            if self.explicit:
+                pool.urlopen = functools.partial(self.urlopen, pool, functools.partial(type(pool).urlopen, pool))
+            setattr(pool, _HOOK_ATTRIBUTE, hook)
+            self._pools.add(pool)
+
+    def unhook(self, pool: Any) -> None:
+        """Put ``pool`` back as it was before `hook`; requests under way finish as they are."""
+        hook = pool.__dict__.get(_HOOK_ATTRIBUTE)
+        if not isinstance(hook, _PoolHook) or hook.guard is not self:
+            return
+        del pool.__dict__[_HOOK_ATTRIBUTE]
+        if hook.own_class:
+            pool.ConnectionCls = hook.connection_class
+        else:
+            pool.__dict__.pop("ConnectionCls", None)
+        if not hook.own_put:
+            pool.__dict__.pop("_put_conn", None)
+        pool.__dict__.pop("urlopen", None)
+        _swap_idle_connections(pool, original_connection_class)
+        self._pools.discard(pool)
+
+    def unhook_all(self) -> None:
+        """Take the guard off every pool it hooked (`uninstall()`)."""
+        with self._lock:
+            for pool in list(self._pools):
+                self.unhook(pool)
+
+    def close(self) -> None:
+        self.given_up.end_all()
+        STALL_LOG.flush()
+
+    def account(self, origin: Origin) -> GuardStats:
+        account = self._accounts.get(origin)
+        if account is None:
+            account = self._accounts[origin] = self.stats.of_origin(self.stack, origin)
+        return account
+
+    # -- a request ------------------------------------------------------------------------------------------------
+
+    def urlopen(self, pool: Any, original: Any, *args: Any, **kwargs: Any) -> BaseHTTPResponse:
+        """``pool.urlopen(*args, **kwargs)`` under the guard; ``original``: the pool's own ``urlopen``, bound."""
+        if CURRENT_RUN.get() is not None:  # urllib3's own redirect inside a guarded attempt: part of it
+            return original(*args, **kwargs)  # type: ignore[no-any-return]
+        hook = getattr(pool, _HOOK_ATTRIBUTE, None)
+        origin = hook.origin if isinstance(hook, _PoolHook) else Origin.of(pool.scheme, pool.host, pool.port)
+        if not self.origins.is_llama(origin):
+            return self._pass_through(pool, original, origin, args, kwargs)
+        self.hook(pool)
+        call = dict(zip(_PARAMS, args, strict=False))
+        call.update(kwargs)
+        return self._guarded(pool, original, origin, call)
+
+    def _guarded(self, pool: Any, original: Any, origin: Origin, call: dict[str, Any]) -> BaseHTTPResponse:
+        started = time.monotonic()
+        overrides = OPTIONS.get()
+        policy = self.policy if overrides is None else self.policy.merged(overrides)
+        method = str(call["method"]).upper()
+        body = call.get("body")
+        content = body.encode() if isinstance(body, str) else body
+        if content is not None and not isinstance(content, (bytes, bytearray)):
+            content = None  # a generator or a file: one-shot, never sent twice
+        elif isinstance(content, bytearray):
+            content = bytes(content)
+        elif content is None:
+            content = b""
+        stream = method == "POST" and content is not None and wants_stream(content)
+        timeout = pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT))
+        headers = call.get("headers")
+        if headers is None:
+            headers = pool.headers
+        path = str(call["url"]).partition("?")[0]
+        view = RequestView(method, Url(pool.scheme, pool.host, pool.port, path), headers, caller_read_timeout(timeout))
+        connection = self.strategies.choice(pool.scheme, pool.host, pool.port, origin, policy.connection)
+        run = Urllib3Run(
+            view,
+            origin,
+            policy,
+            self.account(origin),
+            self,
+            body=content,
+            stream=stream,
+            started=started,
+            book=PROBE_BOOK,
+            connection=connection,
+        )
+        attempt = _Attempt(pool, original, call, run, timeout, headers)
+        try:
+            outcome = attempt.send()
+            schedule = RetrySchedule(run)
+            while (delay := schedule.next_delay()) is not None:
+                time.sleep(delay)
+                outcome = attempt.send()
+            if isinstance(outcome, BaseException):
+                raise run.final_error(outcome) from outcome
+            response = outcome
+            closing = run.close_connection
+            if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
+                closing = _drop_after_stream(response, run.stats)
+            setattr(response, RESULT_ATTRIBUTE, run.result(closing))
+            if call.get("preload_content", True):
+                # urllib3 reads a preloaded body in urlopen; each attempt left it unread (the guard judges the
+                # headers first), so it is read here, and the connection goes back to the pool at its end.
+                response.read(decode_content=call.get("decode_content", True), cache_content=True)
+            return response
+        finally:
+            run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
+
+    def _pass_through(
+        self, pool: Any, original: Any, origin: Origin, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> BaseHTTPResponse:
+        self.stats.add(passthrough=1)
+        response: BaseHTTPResponse = original(*args, **kwargs)
+        if (
+            self.origins.learns
+            and self.origins.learn(origin, response.headers)
+            and self.policy.stream_mode != "off"
+            and is_streaming_response(response.headers)
+        ):
+            # The first response of an origin in "auto" mode: it just said it is llama-server.
+            self.hook(pool)
+            _drop_after_stream(response, self.account(origin))
+        return response
+
+
+class _Attempt:
+    """The attempts of one guarded request: each one call of the pool's own ``urlopen``, judged into the run."""
+
+    __slots__ = ("call", "original", "pool", "run", "timeout")
+
+    def __init__(self, pool: Any, original: Any, call: dict[str, Any], run: Urllib3Run, timeout: Any, headers: Any):
+        self.pool = pool
+        self.original = original
+        self.run = run
+        self.timeout = timeout
+        # What every attempt sends: the caller's call, with urllib3's own retries taken out (the guard's loop
+        # replaces them, see the module's doc), the body left unread (the guard judges the headers first), and
+        # Connection: close when the strategy or the stream asks for it (on a copy: the caller's headers stay).
+        attempt = dict(call)
+        attempt["retries"] = _single_send(call.get("retries"), call.get("redirect", True), pool.retries)
+        attempt["preload_content"] = False
+        attempt["release_conn"] = False
+        if run.close_connection:
+            closing = {name: value for name, value in headers.items() if name.lower() != "connection"}
+            closing["Connection"] = "close"
+            attempt["headers"] = closing
+        self.call = attempt
+
+    def send(self) -> BaseHTTPResponse | BaseException:
+        """One attempt: the response (a retriable 503/429 already read whole), or the failure, judged."""
+        run = self.run
+        read = run.begin_attempt()
+        call = self.call
+        if read is not None:  # the first-byte deadline rides on the read timeout, for the headers
+            call = dict(call)
+            call["timeout"] = Timeout(connect=self.timeout.connect_timeout, read=read)
+        token = CURRENT_RUN.set(run)
+        try:
+            response: BaseHTTPResponse = self.original(**call)
+        except Exception as exc:
+            error = run.attempt_failed(exc)
+            if error is None:
+                raise
+            return error
+        finally:
+            CURRENT_RUN.reset(token)
+        if run.judge_response(response.status, response.headers):
+            return _read_whole(response)
+        if read is not None:
+            _restore_read_timeout(response, run.caller_read())
+        return response
+
+
+def _single_send(retries: Any, redirect: bool, default: Retry) -> Any:
+    """The caller's urllib3 ``Retry`` less its retries: urllib3 sends each of the guard's attempts once (a
+    redirect is still followed as the caller allowed it)."""
+    if retries is False:
+        return False  # no retries, and urllib3's errors raised as they are: already one send
+    if not isinstance(retries, Retry):
+        retries = Retry.from_int(retries, redirect=redirect, default=default)
+    redirect_budget = retries.redirect if retries.redirect is not None else retries.total
+    return retries.new(
+        total=None, connect=0, read=0, other=0, status=0, redirect=redirect_budget, raise_on_status=False
+    )
+
+
+def _read_whole(response: BaseHTTPResponse) -> BaseHTTPResponse:
+    """A retriable 503/429 (a short JSON error: `RequestState.judge_response` checked its length): read whole so
+    that its connection goes back to the pool, and replaced by a response that holds the same bytes, for the caller
+    if this was the last attempt."""
+    try:
+        data = response.read(decode_content=False)  # its Content-Length is at most MAX_RETRIED_ERROR_BODY
+    finally:
+        response.release_conn()
+    return HTTPResponse(
+        body=io.BytesIO(data),
+        headers=response.headers,
+        status=response.status,
+        version=response.version,
+        reason=response.reason,
+        preload_content=False,
+        decode_content=False,
+        request_method=getattr(response, "_request_method", None),
+        request_url=response.url,
+        retries=response.retries,
+    )
+
+
+def _restore_read_timeout(response: BaseHTTPResponse, read: float | None) -> None:
+    """The headers came under the first-byte deadline: the body is read under the caller's own read timeout."""
+    connection = getattr(response, "connection", None)
+    sock = getattr(connection, "sock", None)
+    if sock is not None:
+        sock.settimeout(read)
+
+
+def _drop_after_stream(response: BaseHTTPResponse, stats: GuardStats) -> bool:
+    """llama-server closes a stream's connection right after the final chunk, whatever its headers said: mark the
+    connection so that the pool closes it when the response gives it back (`_put_conn`), instead of pooling it."""
+    connection = getattr(response, "connection", None)
+    if connection is None or getattr(connection, "sock", None) is None:
+        return connection is not None  # http.client closed it already (the response said Connection: close)
+    setattr(connection, _DROP_ATTRIBUTE, stats)
+    return True
+
+
+def _put_conn(pool: Any, put: Any, conn: Any) -> None:
+    """A hooked pool's ``_put_conn``: a connection marked by `_drop_after_stream` is closed first (urllib3 then
+    opens a new one in its place when it is next taken)."""
+    if conn is not None:
+        stats = conn.__dict__.pop(_DROP_ATTRIBUTE, None)
+        if stats is not None:
+            if conn.sock is not None:
+                stats.add(stream_connections_closed=1, stream_connections_dropped=1)
+            conn.close()
+    put(pool, conn)
+
+
+def _swap_idle_connections(pool: Any, make: Any) -> None:
+    """Give the connections waiting in the pool the class ``make`` gives their class (guarded, or original)."""
+    queue = getattr(pool, "pool", None)
+    if queue is None:
+        return
+    with queue.mutex:
+        for conn in queue.queue:
+            if conn is not None:
+                conn.__class__ = make(type(conn))
