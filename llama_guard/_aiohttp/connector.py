@@ -18,14 +18,30 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 
-from .._core.late_answers import GivenUpWatches, WatchedConnection
-from .._core.origin_probes import PROBE_SLICE, OriginProbes
+from .._core.late_answers import GivenUpWatches
+from .._core.origin_probes import OriginProbes
 from .._core.origins import Origin
-from .._core.probe import ProbeAnswer, ProbeExchange, ProbeProtocolError
+from .._core.probe_machine import (
+    Abort,
+    Broken,
+    Cancelled,
+    Kick,
+    Kicked,
+    ProbeEvent,
+    ProbeMachine,
+    ProbeState,
+    Read,
+    Received,
+    Start,
+    TimedOut,
+    Usable,
+    Write,
+    Written,
+)
 from .._core.turns import AsyncTurn
 from .attempts import AiohttpRequest, current_run
 from .exceptions import ProbeError, ProbeTimeout, probe_error
@@ -38,21 +54,14 @@ __all__ = ["KEEPALIVE_TIMEOUT", "GuardConnector", "ProbingHooks"]
 KEEPALIVE_TIMEOUT = 4.0
 
 
-_KICK_CONNECT_TIMEOUT = 1.0
-
-
-async def _kick(run: AiohttpRequest) -> None:
-    """Open one TCP connection to the origin and close it at once (`GuardPolicy.probe_kick`): accepting it makes
-    llama-server's pool spawn a thread (before b11737), which serves the oldest unread connection first. Nothing is
-    written: the server reads the end of the connection and closes its side."""
-    host = run.aiohttp_request.url.host or run.origin.host
+async def _kick(kick: Kick) -> BaseException | None:
+    """Open one TCP connection and close it at once, writing nothing (`probe_machine.Kick`); the failure if any."""
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, run.origin.port), _KICK_CONNECT_TIMEOUT)
+        _, writer = await asyncio.wait_for(asyncio.open_connection(kick.host, kick.port), kick.timeout)
     except (OSError, asyncio.TimeoutError) as exc:
-        run.probe_kicked(exc)
-    else:
-        writer.close()
-        run.probe_kicked()
+        return exc
+    writer.close()
+    return None
 
 
 class GuardConnector(aiohttp.TCPConnector):
@@ -119,69 +128,41 @@ class ProbingHooks(ConnectionHooks):
         return run.probing and run.origin not in self.unprobeable
 
     async def _probe(self, transport: asyncio.Transport, run: AiohttpRequest) -> None:
-        request = run.aiohttp_request
-        exchange = ProbeExchange(run.host_header)
-        run.probe_started()
-        deadline = run.next_probe_deadline()
+        """The I/O of a `ProbeMachine` on a new connection, whose aiohttp protocol is set aside meanwhile."""
         protocol = transport.get_protocol()
-        reader = _ProbeReader(exchange)
+        reader = _ProbeReader()
         transport.set_protocol(reader)
-        started = time.monotonic()
-        try:
-            transport.write(exchange.request_bytes())
-            while not reader.answered.done():
-                elapsed = time.monotonic() - started
-                remaining = deadline - elapsed
-                if remaining <= 0:
-                    raise asyncio.TimeoutError
-                kick_now, remaining = run.probe_wait(elapsed, remaining)
-                if kick_now:
-                    await _kick(run)
-                    continue
-                await asyncio.wait((reader.answered,), timeout=min(remaining, PROBE_SLICE))
-                if not reader.answered.done():
-                    # While probes wait, given-up ones are watched; the deadline in force may change meanwhile
-                    # (other probes of the origin are answered).
-                    run.origin_probes.check_given_up()
-                    deadline = run.next_probe_deadline()
-            answer = reader.answered.result()
-            if reader.extra:
-                raise ProbeProtocolError(f"{len(reader.extra)} bytes after the answer to GET /health")
-        except asyncio.TimeoutError as exc:
-            reader.abandon()
-            watched = WatchedConnection.of(transport.get_extra_info("socket"))
-            self.given_up.add(run.probe_given_up(time.monotonic() - started, watched))
-            _discard(transport, protocol)
-            raise probe_error(
-                ProbeTimeout,
-                request,
-                f"new connection to {run.origin} did not answer GET /health within {deadline:.3g} s: the server is "
-                "not reading it (llama-server before b11737 under a burst of connections); reconnecting",
-            ) from exc
-        except (OSError, ProbeProtocolError) as exc:
-            _discard(transport, protocol)
-            run.probe_failed(time.monotonic() - started)
-            raise probe_error(
-                ProbeError, request, f"the probe of a new connection to {run.origin} failed: {exc}"
-            ) from exc
-        except BaseException:
-            _discard(transport, protocol)
-            run.probe_abandoned()
-            raise
+        host = run.aiohttp_request.url.host or run.origin.host
+        machine = ProbeMachine(run, socket=transport.get_extra_info("socket"), kick_host=host)
+        action = machine.next(Start())
+        while not isinstance(action, Usable):
+            if isinstance(action, Abort):
+                _discard(transport, protocol)
+                self._aborted(action, run)
+            event: ProbeEvent
+            try:
+                if isinstance(action, Write):
+                    transport.write(action.data)  # buffered by asyncio: the read below waits for the answer
+                    event = Written()
+                elif isinstance(action, Read):
+                    event = await reader.next_event(action.timeout)
+                else:
+                    event = Kicked(await _kick(action))
+            except BaseException:
+                if machine.state is not ProbeState.DONE:
+                    machine.next(Cancelled())
+                _discard(transport, protocol)
+                raise
+            action = machine.next(event)
         transport.set_protocol(protocol)
-        run.probe_answered(time.monotonic() - started)
-        if not answer.keep_alive:
-            self._closed_after_probe(transport, protocol, run, answer)
 
-    def _closed_after_probe(
-        self, transport: asyncio.Transport, protocol: Any, run: AiohttpRequest, answer: ProbeAnswer
-    ) -> None:
-        _discard(transport, protocol)
-        if run.probe_closed(answer.status):
+    def _aborted(self, abort: Abort, run: AiohttpRequest) -> NoReturn:
+        """A probe failed (its connection discarded): keep its late-answer watch, and fail the connect."""
+        if abort.watch is not None:
+            self.given_up.add(abort.watch)
+        if abort.unprobeable:
             self.unprobeable.add(run.origin)
-        raise probe_error(
-            ProbeError, run.aiohttp_request, f"{run.origin} answered GET /health with {answer.status} and closed"
-        )
+        raise probe_error(ProbeTimeout if abort.timed_out else ProbeError, run.aiohttp_request, abort.message)
 
 
 async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> tuple[OriginProbes, int] | None:
@@ -221,38 +202,41 @@ def _discard(transport: asyncio.Transport, protocol: Any) -> None:
 
 
 class _ProbeReader(asyncio.Protocol):
-    """The new connection's protocol while the probe runs: feeds what arrives to the exchange."""
+    """The new connection's protocol while the probe runs: what arrives waits for `next_event`."""
 
-    def __init__(self, exchange: ProbeExchange) -> None:
-        self.exchange = exchange
-        self.answered: asyncio.Future[ProbeAnswer] = asyncio.get_running_loop().create_future()
-        self.extra = b""
+    def __init__(self) -> None:
+        self._data = bytearray()
+        self._closed = False
+        self._error: Exception | None = None
+        self._arrived: asyncio.Future[None] | None = None
 
-    def abandon(self) -> None:
-        self.answered.cancel()
+    async def next_event(self, timeout: float) -> ProbeEvent:
+        """What arrived (waiting up to ``timeout`` seconds for something): bytes, the end, an error, or nothing."""
+        if not (self._data or self._closed):
+            self._arrived = asyncio.get_running_loop().create_future()
+            await asyncio.wait((self._arrived,), timeout=timeout)
+            self._arrived = None
+        if self._data:
+            data, self._data = bytes(self._data), bytearray()
+            return Received(data)
+        if self._error is not None:
+            return Broken(self._error)
+        return Received(b"") if self._closed else TimedOut()
 
-    def _feed(self, data: bytes) -> None:
-        if self.answered.done():
-            self.extra += data
-            return
-        try:
-            answer = self.exchange.feed(data)
-        except ProbeProtocolError as exc:
-            self.answered.set_exception(exc)
-            return
-        if answer is not None:
-            self.answered.set_result(answer)
+    def _wake(self) -> None:
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
 
     def data_received(self, data: bytes) -> None:
-        self._feed(data)
+        self._data += data
+        self._wake()
 
     def eof_received(self) -> bool:
-        if not self.answered.done():
-            self._feed(b"")
-        return True  # keep the transport open: the answer decides (its keep-alive), and _discard closes
+        self._closed = True
+        self._wake()
+        return True  # keep the transport open: the machine decides, and _discard closes
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.answered.done():
-            self.answered.set_exception(
-                exc or ProbeProtocolError("the server closed the connection before answering GET /health")
-            )
+        self._closed = True
+        self._error = exc
+        self._wake()

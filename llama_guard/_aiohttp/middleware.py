@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import tenacity
 
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is, is_streaming_response
@@ -26,6 +25,7 @@ from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.request_state import RETRIED_STATUSES
 from .._core.result import GuardResult, new_result
+from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats
 from .attempts import CURRENT_ATTEMPT, AiohttpRequest, FirstAttempt, request_body
 from .internals import drop_after_response, fail_body_on_connection_loss
@@ -175,22 +175,22 @@ class GuardMiddleware:
         """A request with an `AiohttpRequest`: its attempts, retries, result and counters. ``first``: the outcome of
         its first attempt when that was sent already (a failure judged already), else None."""
         try:
-            try:
-                if first is None:
-                    response = await self._attempt(run, handler)
-                elif isinstance(first, Exception):
-                    raise first
-                else:
-                    response = await self._answered(run, first)
-            except Exception as exc:
-                if not run.may_retry:
-                    if run.verdict is not None:  # judged: the guard gives up, and says why
-                        raise run.final_error(exc) from exc
-                    raise
-                response = await self._retry(run, handler, exc)
+            if first is None:
+                outcome = await self._attempt(run, handler)
+            elif isinstance(first, Exception):
+                outcome = first
             else:
-                if run.may_retry:
-                    response = await self._retry(run, handler, response)
+                outcome = await self._answered(run, first)
+            # Attempts after the first, paced and bounded by the retry schedule; most requests never need them.
+            schedule = RetrySchedule(run)
+            while (delay := schedule.next_delay()) is not None:
+                await asyncio.sleep(delay)
+                outcome = await self._attempt(run, handler)
+            if isinstance(outcome, Exception):
+                if run.verdict is not None:  # judged: the guard gives up, and says why
+                    raise run.final_error(outcome) from outcome
+                raise outcome
+            response = outcome
             closing = run.close_connection
             if not closing and run.policy.stream_mode != "off" and is_streaming_response(response.headers):
                 closing = self._drop_after_stream(response, run.stats)
@@ -201,30 +201,9 @@ class GuardMiddleware:
         finally:
             run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
 
-    async def _retry(
-        self, run: AiohttpRequest, handler: ClientHandler, first: aiohttp.ClientResponse | Exception
-    ) -> aiohttp.ClientResponse:
-        """Attempts after the first, paced and bounded by tenacity (whose attempt 1 replays the first outcome)."""
-        retrying = tenacity.AsyncRetrying(sleep=asyncio.sleep, **run.retrying_kwargs())
-        response = first if isinstance(first, aiohttp.ClientResponse) else None
-        try:
-            async for attempt in retrying:
-                with attempt:
-                    if attempt.retry_state.attempt_number > 1:
-                        response = await self._attempt(run, handler)
-                    elif isinstance(first, Exception):
-                        raise first
-        except tenacity.RetryError:
-            pass  # attempts ran out on a 503/429: the caller gets that last response (already read)
-        except Exception as exc:
-            if run.verdict is None:
-                raise
-            raise run.final_error(exc) from exc
-        assert response is not None
-        return response
-
-    async def _attempt(self, run: AiohttpRequest, handler: ClientHandler) -> aiohttp.ClientResponse:
-        """One call of aiohttp's handler, under the first-byte deadline; judged, and raised on failure."""
+    async def _attempt(self, run: AiohttpRequest, handler: ClientHandler) -> aiohttp.ClientResponse | Exception:
+        """One call of aiohttp's handler, under the first-byte deadline, judged: its response, or the error to
+        raise from it (retried or not by the schedule)."""
         scope = run.begin_attempt()
         token = CURRENT_ATTEMPT.set(run)
         response: aiohttp.ClientResponse | None = None
@@ -235,22 +214,30 @@ class GuardMiddleware:
                 with scope:
                     response = await handler(run.aiohttp_request)
         except Exception as exc:
-            run.attempt_failed(exc)
-            raise
+            error = run.attempt_failed(exc)
+            assert isinstance(error, Exception)
+            return error
         finally:
             CURRENT_ATTEMPT.reset(token)
             run.end_attempt()
         if response is None:  # the deadline cancelled the attempt; aiohttp closed its connection
-            raise run.attempt_failed(None)
+            error = run.attempt_failed(None)
+            assert isinstance(error, Exception)
+            return error
         return await self._answered(run, response)
 
-    async def _answered(self, run: AiohttpRequest, response: aiohttp.ClientResponse) -> aiohttp.ClientResponse:
+    async def _answered(
+        self, run: AiohttpRequest, response: aiohttp.ClientResponse
+    ) -> aiohttp.ClientResponse | Exception:
         """Judge a response's status; a 503/429 to retry is read whole first."""
         if run.judge_response(response.status, response.headers):
             # A short error body, read so that the connection goes back to the pool, and so that the caller still
             # gets it whole if this was the last attempt.
             try:
                 await response.read()  # at the end of the body aiohttp puts the connection back in the pool
+            except Exception as exc:  # judged as the 503/429 it was: retried by the schedule
+                response.close()
+                return exc
             except BaseException:
                 response.close()
                 raise
