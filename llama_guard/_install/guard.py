@@ -1,7 +1,9 @@
-"""`guard(client)`: protect an httpx or httpx2 client that already exists, keeping every other setting it has."""
+"""`guard(client)`: protect an httpx, httpx2 or requests client that already exists, keeping every other setting it
+has."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypeVar
 
 import httpx
@@ -20,7 +22,9 @@ ClientT = TypeVar("ClientT")
 def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     """Wrap ``client``'s transport and every mounted transport in the guard, in place; returns ``client``.
 
-    Takes an `httpx.Client` or `httpx.AsyncClient`, or their httpx2 twins (with ``llama-guard[httpx2]``). Base
+    Takes an `httpx.Client` or `httpx.AsyncClient`, or their httpx2 twins (with ``llama-guard[httpx2]``), or a
+    `requests.Session` (with ``llama-guard[requests]``: its ``HTTPAdapter`` s are guarded in place, see
+    ``llama_guard.requests.guard_session``). Base
     URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports are
     wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
     given. The transports it wraps count into one `GuardStats`: ``llama_guard.stats_of(client)``. httpx offers no
@@ -28,6 +32,11 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise). On an untested httpcore it
     works as `GuardTransport` does there: one warning, and the guard on httpcore's public API.
     """
+    if _is_requests_session(client):
+        # Imported only for a requests session, so that llama_guard never needs requests otherwise.
+        from .._requests.adapter import guard_session
+
+        return guard_session(client, policy=policy)  # type: ignore[arg-type, return-value]
     guard_class, internals = _guard_class_for(client)
     untested = internals.untested_client_version()
     if untested is not None:
@@ -54,6 +63,12 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     return client
 
 
+def _is_requests_session(client: object) -> bool:
+    """A `requests.Session` (or a subclass of one), without importing requests where nothing uses it."""
+    requests = sys.modules.get("requests")
+    return requests is not None and isinstance(client, requests.Session)
+
+
 def _guard_class_for(client: object) -> tuple[type[Any], Any]:
     """The guard class for ``client``'s kind and library, and that library's internals module."""
     if isinstance(client, httpx.AsyncClient):
@@ -73,5 +88,6 @@ def _guard_class_for(client: object) -> tuple[type[Any], Any]:
         if isinstance(client, httpx2.Client):
             return GuardTransport2, httpx2_internals
     raise TypeError(
-        f"guard() takes an httpx.Client or httpx.AsyncClient (or their httpx2 twins); got {type(client).__name__}"
+        "guard() takes an httpx.Client or httpx.AsyncClient (or their httpx2 twins) or a requests.Session; "
+        f"got {type(client).__name__}"
     )

@@ -1,4 +1,5 @@
-"""`install()` / `uninstall()`: guard the llama-server traffic of every httpx, httpx2 and aiohttp client in the process.
+"""`install()` / `uninstall()`: guard the llama-server traffic of every httpx, httpx2, aiohttp and requests/urllib3
+client in the process.
 
 For code that creates its HTTP clients itself (the openai SDK, pydantic-ai, LangChain, ...). Opt-in: importing
 llama_guard patches nothing. `install()` wraps, with wrapt, the one method through which every pooled request of
@@ -19,7 +20,9 @@ goes through unguarded (its stream's connection is still dropped, as in ``origin
 transport is not touched: its pool (keep-alive expiry, connection hooks) changes only once it sends a request to a
 llama-server origin. `uninstall()` puts back what the guards changed on each pool (``internals.restore_pool``).
 
-aiohttp sessions get the guard's middleware at their first request while installed (``aiohttp_sessions.py``).
+aiohttp sessions get the guard's middleware at their first request while installed (``aiohttp_sessions.py``);
+urllib3's pools, under requests sessions or used directly, the guard of ``llama_guard.requests`` at their first
+request to a guarded origin (``requests_pools.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ from .._core.ownership import is_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
 from .aiohttp_sessions import InstalledSessions, session_request_method
+from .requests_pools import MODULES as _REQUESTS_MODULES
+from .requests_pools import InstalledPools
+from .requests_pools import patch_if_imported as _patch_requests_if_imported
+from .requests_pools import unpatch as _unpatch_requests
 
 __all__ = ["Installation", "install", "installation", "normalise_install_origins", "uninstall"]
 
@@ -120,6 +127,8 @@ class Installation:
         self._released = False
         self._lock = threading.Lock()
         self._sessions = InstalledSessions(self._guard_policy, self.stats, self._registry)
+        # requests sessions and urllib3 pools (requests_pools.py): their pools, hooked at their first guarded request.
+        self._urllib3_pools = InstalledPools(self._guard_policy, self.stats, self._registry)
 
     def __repr__(self) -> str:
         origins = self.origins if isinstance(self.origins, str) else [str(origin) for origin in self.origins]
@@ -177,6 +186,7 @@ class Installation:
             self._pools = weakref.WeakKeyDictionary()
             self._guards = weakref.WeakKeyDictionary()
         self._sessions.release()
+        self._urllib3_pools.release()
 
 
 def _resolve(module_name: str, name: str) -> Any:
@@ -271,7 +281,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
         if _current is not None:
             _current._undo()  # its pools and sessions get the new settings at their next request
         _current = Installation(setting, policy)
-        for module in (*_MODULES, _AIOHTTP):
+        for module in (*_MODULES, _AIOHTTP, *_REQUESTS_MODULES):
             if module not in _hooked_modules:
                 _hooked_modules.add(module)
                 wrapt.register_post_import_hook(_patch_module, module)  # runs now if already imported
@@ -279,6 +289,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
             # A module imported while a previous installation was active is already patched; others wait.
             _patch_if_imported(target)
         _patch_aiohttp_if_imported()
+        _patch_requests_if_imported(_current)
         return _current
 
 
@@ -297,6 +308,7 @@ def uninstall() -> None:
             with contextlib.suppress(wrapt.WrapperNotOutermostError):  # inert while nothing is installed
                 wrapt.unwrap_object(session_class, method, handle, missing_ok=True)
                 _aiohttp_handle = None
+        _unpatch_requests()
         for target, handle in list(_handles.items()):
             module = importlib.import_module(target.module)
             try:
@@ -337,6 +349,8 @@ def _patch_module(module: Any) -> None:
                 _patch_if_imported(target)
         if module.__name__ == _AIOHTTP:
             _patch_aiohttp_if_imported()
+        if module.__name__ in _REQUESTS_MODULES:
+            _patch_requests_if_imported(_current)
 
 
 def _patch_aiohttp_if_imported() -> None:

@@ -21,7 +21,8 @@ def stats_of(target: object) -> GuardStats:
 
     ``target``: a client guarded with `guard()` or built with a guard transport (`httpx.Client`,
     `httpx.AsyncClient`, or their httpx2 twins), a guard transport, an aiohttp `ClientSession` guarded with
-    ``llama_guard.aiohttp``, a `GuardMiddleware`, an `Installation`, or a `GuardStats`. A client or session that
+    ``llama_guard.aiohttp``, a `GuardMiddleware`, a `requests.Session` guarded with `guard()` or with a mounted
+    ``GuardAdapter``, a ``GuardAdapter``, an `Installation`, or a `GuardStats`. A client or session that
     only `install()` guards gives the installation's counters. Raises `ValueError` for a client without a guard,
     and `TypeError` for anything else.
     """
@@ -42,9 +43,17 @@ def stats_of(target: object) -> GuardStats:
         return _installed_or_fail(target, "guard it with llama_guard.aiohttp.guard_session(session)")
     if library == "aiohttp":
         return _installed_or_fail(target, "guard it with llama_guard.aiohttp.guard_session(session)")
+    requests = sys.modules.get("requests")
+    if requests is not None and isinstance(target, requests.Session):
+        from .._requests.adapter import guard_of as requests_guard_of
+
+        found = requests_guard_of(target)
+        if found is not None:
+            return found
+        return _installed_or_fail(target, "guard it with llama_guard.guard(session)")
     raise TypeError(
-        "stats_of() takes a guarded httpx/httpx2 client, an aiohttp session, a guard transport, an Installation or "
-        f"a GuardStats; got {type(target).__name__}"
+        "stats_of() takes a guarded httpx/httpx2 client, an aiohttp or requests session, a guard transport or "
+        f"adapter, an Installation or a GuardStats; got {type(target).__name__}"
     )
 
 
@@ -83,8 +92,9 @@ def _installed_or_fail(target: object, how: str) -> GuardStats:
 
 
 def result_of(response: object) -> GuardResult | None:
-    """The guard's account (`GuardResult`) for ``response``, an httpx/httpx2 ``Response`` or an aiohttp
-    ``ClientResponse``; None for a response the guard let by (another origin)."""
+    """The guard's account (`GuardResult`) for ``response``, an httpx/httpx2 ``Response``, an aiohttp
+    ``ClientResponse``, a `requests.Response` or a urllib3 response; None for a response the guard let by (another
+    origin)."""
     extensions = getattr(response, "extensions", None)
     if isinstance(extensions, dict):
         result = extensions.get(EXTENSION)
@@ -95,6 +105,13 @@ def result_of(response: object) -> GuardResult | None:
         from .._aiohttp.middleware import guard_result
 
         return guard_result(response)  # type: ignore[arg-type]
+    if type(response).__module__.partition(".")[0] in ("requests", "urllib3"):
+        if "llama_guard._requests.pool_guard" not in sys.modules:
+            return None  # no requests/urllib3 guard was ever made in this process
+        from .._requests.adapter import result_of as requests_result_of
+
+        return requests_result_of(response)
     raise TypeError(
-        f"result_of() takes an httpx/httpx2 Response or an aiohttp ClientResponse; got {type(response).__name__}"
+        "result_of() takes an httpx/httpx2 Response, an aiohttp ClientResponse, a requests Response or a urllib3 "
+        f"response; got {type(response).__name__}"
     )
