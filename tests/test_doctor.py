@@ -130,7 +130,7 @@ def test_nonstream_verdicts(check, status):
 
 
 def _identity(build):
-    from llama_guard._cli.llama_build import build_number
+    from llama_guard._core.llama_server import build_number
 
     return Identity("llama.cpp", build, build_number(build), "m", 4)
 

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 
-from llama_guard._cli.llama_build import build_has_pool_defect, build_number, has_pool_defect, version_build_info
 from llama_guard._cli.main import main
 from llama_guard._cli.watch.cmdline import Setting, is_llama_server, parse_server_command
 from llama_guard._cli.watch.command import WatchOptions, run_watch
@@ -37,6 +36,7 @@ from llama_guard._cli.watch.procnet import (
 )
 from llama_guard._cli.watch.report import ServerView, assess, event_line
 from llama_guard._cli.watch.stall import ConnectionKey, QueueSample, StallEvent, StallTracker
+from llama_guard._core.llama_server import build_has_pool_defect, build_number, has_pool_defect, version_build_info
 from llama_guard.testing import open_burst
 
 HEALTH = b"GET /health HTTP/1.1\r\nHost: emu\r\n\r\n"

@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 import aiohttp
 
 from .._core.late_answers import GivenUpWatches
+from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.origin_probes import OriginProbes
 from .._core.origins import Origin
 from .._core.probe_machine import (
@@ -49,9 +50,8 @@ from .internals import ConnectionHooks, hook_new_connections
 
 __all__ = ["KEEPALIVE_TIMEOUT", "GuardConnector", "ProbingHooks"]
 
-# llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), aiohttp 15 s: a pooled connection the
-# server has closed would be handed out. Expire ours a second before the server's.
-KEEPALIVE_TIMEOUT = 4.0
+# aiohttp keeps an idle connection 15 s, past llama-server's 5 s: a connection the server closed would be handed out.
+KEEPALIVE_TIMEOUT = CLIENT_KEEPALIVE
 
 
 async def _kick(kick: Kick) -> BaseException | None:

@@ -21,9 +21,9 @@ import aiohttp
 
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is, is_streaming_response
+from .._core.llama_server import RETRIED_STATUSES
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
-from .._core.request_state import RETRIED_STATUSES
 from .._core.result import GuardResult, new_result
 from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import h11
 
+from .llama_server import HEALTH_PATH as PROBE_PATH
+
 __all__ = ["ProbeAnswer", "ProbeExchange", "ProbeProtocolError", "probe_deadline"]
 
-PROBE_PATH = "/health"
 PROBE_USER_AGENT = "llama-guard-probe"
 MAX_PROBE_RESPONSE = 64 * 1024
 

@@ -192,7 +192,7 @@ class ProbeMachine:
 
     # -- transitions ----------------------------------------------------------------------------------------------
 
-    def _start(self, event: Start) -> ProbeAction:
+    def _on_start(self, event: Start) -> ProbeAction:
         run = self._run
         run.probe_started()
         self._deadline = run.next_probe_deadline()
@@ -200,35 +200,35 @@ class ProbeMachine:
         self.state = ProbeState.WRITING
         return Write(self._exchange.request_bytes(), self._deadline)
 
-    def _written(self, event: Written) -> ProbeAction:
+    def _on_written(self, event: Written) -> ProbeAction:
         return self._wait()
 
-    def _write_timed_out(self, event: TimedOut) -> ProbeAction:
+    def _on_write_timed_out(self, event: TimedOut) -> ProbeAction:
         return self._give_up()
 
-    def _read_slice_passed(self, event: TimedOut) -> ProbeAction:
+    def _on_read_slice_passed(self, event: TimedOut) -> ProbeAction:
         self._run.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
         return self._wait()
 
-    def _kicked(self, event: Kicked) -> ProbeAction:
+    def _on_kicked(self, event: Kicked) -> ProbeAction:
         self._run.probe_kicked(event.failure)
         return self._wait()
 
-    def _received(self, event: Received) -> ProbeAction:
+    def _on_received(self, event: Received) -> ProbeAction:
         try:
             answer = self._exchange.feed(event.data)
         except ProbeProtocolError as error:
-            return self._broken(Broken(error))
+            return self._on_broken(Broken(error))
         if answer is None:
             return self._wait()
         return self._answered(answer)
 
-    def _broken(self, event: Broken) -> ProbeAction:
+    def _on_broken(self, event: Broken) -> ProbeAction:
         self.state = ProbeState.DONE
         self._run.probe_failed(self._elapsed())
         return Abort(False, f"the probe of a new connection to {self._run.origin} failed: {event.error}")
 
-    def _cancelled(self, event: Cancelled) -> ProbeAction:
+    def _on_cancelled(self, event: Cancelled) -> ProbeAction:
         self.state = ProbeState.DONE
         self._run.probe_abandoned()
         return Abort(False, f"the probe of a new connection to {self._run.origin} was cancelled")
@@ -286,15 +286,15 @@ _Handler: TypeAlias = Callable[[ProbeMachine, Any], ProbeAction]
 _S = ProbeState
 # Every (state, event) pair a probe can meet; any other raises UnexpectedEvent.
 _TRANSITIONS: dict[tuple[ProbeState, type], _Handler] = {
-    (_S.IDLE, Start): ProbeMachine._start,
-    (_S.WRITING, Written): ProbeMachine._written,
-    (_S.WRITING, TimedOut): ProbeMachine._write_timed_out,
-    (_S.WRITING, Broken): ProbeMachine._broken,
-    (_S.WRITING, Cancelled): ProbeMachine._cancelled,
-    (_S.READING, Received): ProbeMachine._received,
-    (_S.READING, TimedOut): ProbeMachine._read_slice_passed,
-    (_S.READING, Broken): ProbeMachine._broken,
-    (_S.READING, Cancelled): ProbeMachine._cancelled,
-    (_S.KICKING, Kicked): ProbeMachine._kicked,
-    (_S.KICKING, Cancelled): ProbeMachine._cancelled,
+    (_S.IDLE, Start): ProbeMachine._on_start,
+    (_S.WRITING, Written): ProbeMachine._on_written,
+    (_S.WRITING, TimedOut): ProbeMachine._on_write_timed_out,
+    (_S.WRITING, Broken): ProbeMachine._on_broken,
+    (_S.WRITING, Cancelled): ProbeMachine._on_cancelled,
+    (_S.READING, Received): ProbeMachine._on_received,
+    (_S.READING, TimedOut): ProbeMachine._on_read_slice_passed,
+    (_S.READING, Broken): ProbeMachine._on_broken,
+    (_S.READING, Cancelled): ProbeMachine._on_cancelled,
+    (_S.KICKING, Kicked): ProbeMachine._on_kicked,
+    (_S.KICKING, Cancelled): ProbeMachine._on_cancelled,
 }

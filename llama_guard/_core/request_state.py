@@ -24,6 +24,7 @@ from .decisions import (
     verdict_for_status,
 )
 from .late_answers import WatchedConnection
+from .llama_server import RETRIED_STATUSES
 from .log import STALL_LOG, WARN_ONCE, describe_request, logger
 from .origin_probes import PROBE_BOOK, GivenUpProbe, OriginProbes, ProbeBook
 from .origins import Origin
@@ -45,8 +46,6 @@ __all__ = [
 MAX_RETRIED_ERROR_BODY = 64 * 1024
 # A sync socket refuses a timeout as large as some valid deadlines (OverflowError): cap what the guard hands it.
 MAX_SOCKET_WAIT = 1e6
-# The statuses a request may be retried on (verdict_for_status decides whether this one is).
-RETRIED_STATUSES = frozenset({429, 503})
 # The smallest backoff window for a 503 without Retry-After (doubling: 0.5, 1, 2 s with the default cap).
 STATUS_BACKOFF = 0.5
 

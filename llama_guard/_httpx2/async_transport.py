@@ -17,6 +17,7 @@ import httpx2 as httpx
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is
 from .._core.late_answers import GivenUpWatches
+from .._core.llama_server import RETRIED_STATUSES
 from .._core.log import STALL_LOG, WARN_ONCE, logger
 from .._core.origin_probes import PROBE_BOOK
 from .._core.origins import Origin, OriginRegistry
@@ -39,7 +40,7 @@ from .._core.probe_machine import (
     Write,
     Written,
 )
-from .._core.request_state import MAX_RETRIED_ERROR_BODY, RETRIED_STATUSES
+from .._core.request_state import MAX_RETRIED_ERROR_BODY
 from .._core.result import EXTENSION, new_result
 from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats

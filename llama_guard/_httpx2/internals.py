@@ -26,6 +26,7 @@ import httpcore2 as httpcore
 import httpx2 as httpx
 
 from .._core.decisions import is_streaming_response
+from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.log import WARN_ONCE
 
 __all__ = [
@@ -57,9 +58,9 @@ TESTED_VERSIONS: dict[str, frozenset[str]] = {
     "httpx2": frozenset({"2.16.2"}),
 }
 
-# llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`), and httpx's default expiry is 5 s too:
-# a pool that reuses a connection just as the server closes it loses the request. Expire ours a second earlier.
-KEEPALIVE_EXPIRY = 4.0
+# httpx's default expiry is llama-server's 5 s: a pool that reuses a connection just as the server closes it loses
+# the request.
+KEEPALIVE_EXPIRY = CLIENT_KEEPALIVE
 
 
 def untested_versions() -> str | None:

@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
-from .._cli.llama_build import FIRST_FIXED_BUILD
+from .._core.llama_server import FIRST_FIXED_BUILD
 from ._config import STREAM_CLOSE_MODES
 from ._emulator import LlamaServerEmulator
 

@@ -21,7 +21,7 @@ import pytest
 
 from llama_guard._cli.doctor.checks import STREAM_CLOSE_WAIT
 from llama_guard._cli.doctor.command import DoctorOptions, run_doctor
-from llama_guard._cli.llama_build import has_pool_defect
+from llama_guard._core.llama_server import has_pool_defect
 from llama_guard.testing._real_server import LLAMA_SERVER_FIXED_BUILD_INFO
 
 from ..test_watch import watcher

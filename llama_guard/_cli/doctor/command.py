@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..llama_build import build_has_pool_defect
+from ..._core.llama_server import build_has_pool_defect
 from ..load import LoadRow
 from ..main import interrupted
 from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate, stuck_bound

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..llama_build import FIRST_FIXED_BUILD, build_has_pool_defect, pool_fix_applied
+from ..._core.llama_server import FIRST_FIXED_BUILD, build_has_pool_defect, pool_fix_applied
 from ..load import LoadRow
 from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..llama_build import FIRST_FIXED_BUILD
+from ..._core.llama_server import FIRST_FIXED_BUILD
 
 __all__ = ["AUTO_PARALLEL", "ServerCommand", "is_llama_server", "parse_server_command"]
 

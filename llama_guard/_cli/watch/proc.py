@@ -1,7 +1,7 @@
 """The I/O half of ``watch``: read ``/proc`` (sockets, processes) and ask a llama-server binary its version.
 
 Everything here is a thin read of one file or directory; the parsing lives in the pure modules
-(``_procnet``, ``_watch_cmdline``, ``_llama_build``). ``/proc/net/tcp*`` shows the sockets of the network
+(``_procnet``, ``_watch_cmdline``, ``_core/llama_server.py``). ``/proc/net/tcp*`` shows the sockets of the network
 namespace ``watch`` itself runs in: run it in the server's container or host namespace.
 """
 
@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..llama_build import version_build_info
+from ..._core.llama_server import version_build_info
 from .procnet import TcpSocket, parse_tcp_table, socket_inode
 
 __all__ = [

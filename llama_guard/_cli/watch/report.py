@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..llama_build import FIRST_FIXED_BUILD, build_has_pool_defect, build_number
+from ..._core.llama_server import FIRST_FIXED_BUILD, build_has_pool_defect, build_number
 from .cmdline import ServerCommand
 from .procnet import Endpoint
 from .stall import StallEvent

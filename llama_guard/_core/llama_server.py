@@ -1,4 +1,5 @@
-"""llama.cpp build numbers: read them from ``/props`` or ``--version``, and compare with the pool fix (no I/O).
+"""What llama-server does that the guard depends on, in one place: its keep-alive, its health path, the statuses it
+retries with, and its build numbers (read from ``/props`` or ``--version``, compared with the pool fix). No I/O.
 
 llama-server reports its build as ``build_info`` in ``GET /props`` (``b11434-1a2b3c4d``: ``b``, the build number,
 the commit) and prints it with ``--version``. Builds made from a source archive without git (PyPI's sdist, some
@@ -15,7 +16,11 @@ from __future__ import annotations
 import re
 
 __all__ = [
+    "CLIENT_KEEPALIVE",
     "FIRST_FIXED_BUILD",
+    "HEALTH_PATH",
+    "RETRIED_STATUSES",
+    "SERVER_KEEPALIVE",
     "POOL_FIX_TAG",
     "build_has_pool_defect",
     "build_number",
@@ -23,6 +28,16 @@ __all__ = [
     "pool_fix_applied",
     "version_build_info",
 ]
+
+#: How long llama-server keeps an idle keep-alive connection (``Keep-Alive: timeout=5``, cpp-httplib's default).
+SERVER_KEEPALIVE = 5.0
+#: How long the guard's pools keep one: a second less, so that a pool never picks a connection at the moment the
+#: server closes it (httpx's default expiry is 5 s too, aiohttp's 15 s).
+CLIENT_KEEPALIVE = SERVER_KEEPALIVE - 1.0
+#: What the probe asks for: cheap, answered while a model loads (503), and on every build.
+HEALTH_PATH = "/health"
+#: The statuses a request may be retried on: 503 while a model loads (or no slot is free), 429 (a proxy's limit).
+RETRIED_STATUSES = frozenset({429, 503})
 
 #: The first llama.cpp build whose cpp-httplib thread pool starts the threads a burst of connections needs.
 FIRST_FIXED_BUILD = 11737
