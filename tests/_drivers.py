@@ -74,6 +74,10 @@ def library(name: str) -> ModuleType:
         from ._aiohttp_driver import AIOHTTP_ERRORS
 
         return AIOHTTP_ERRORS  # type: ignore[return-value]
+    if name == "requests":
+        from ._requests_driver import REQUESTS_ERRORS
+
+        return REQUESTS_ERRORS  # type: ignore[return-value]
     raise ValueError(f"unknown library {name!r}")
 
 
@@ -81,7 +85,7 @@ def guard_module(name: str) -> ModuleType:
     """The guard's flavour for a client library: ``llama_guard`` or ``llama_guard.httpx2``."""
     if name == "httpx":
         return llama_guard
-    if name in ("httpx2", "aiohttp"):
+    if name in ("httpx2", "aiohttp", "requests"):
         return importlib.import_module(f"llama_guard.{name}")
     raise ValueError(f"unknown library {name!r}")
 
@@ -195,6 +199,13 @@ def make_driver(
         return make_aiohttp_driver(
             guarded=guarded, base_url=base_url, policy=policy, limit=limit, timeout=timeout, preopened=preopened
         )
+    if library == "requests":
+        from ._requests_driver import make_requests_driver
+
+        assert flavor == "sync", "the requests flavour is sync only"
+        assert preopened is None, "the requests flavour takes no pre-opened sockets"
+        maxsize = limits.max_connections if limits is not None and limits.max_connections else 4
+        return make_requests_driver(guarded=guarded, base_url=base_url, policy=policy, maxsize=maxsize, timeout=timeout)
     if library != "httpx":
         return _make_other_driver(
             flavor, guarded=guarded, base_url=base_url, policy=policy, limits=limits, timeout=timeout, name=library
@@ -279,6 +290,10 @@ def pool_problems(driver: Driver) -> list[str]:
         from ._aiohttp_driver import aiohttp_pool_problems
 
         return aiohttp_pool_problems(driver)
+    if driver.library == "requests":
+        from ._requests_driver import requests_pool_problems
+
+        return requests_pool_problems(driver)
     pool = pool_of(driver)
     problems = [f"request still in the pool: {request!r}" for request in list(pool._requests)]
     for connection in list(pool.connections):
@@ -297,6 +312,10 @@ def pool_requests(driver: Driver) -> int:
         from ._aiohttp_driver import aiohttp_pool_requests
 
         return aiohttp_pool_requests(driver)
+    if driver.library == "requests":
+        from ._requests_driver import requests_pool_requests
+
+        return requests_pool_requests(driver)
     return len(pool_of(driver)._requests)
 
 
@@ -306,6 +325,10 @@ def open_connections(driver: Driver) -> list[Any]:
         from ._aiohttp_driver import aiohttp_open_connections
 
         return aiohttp_open_connections(driver)
+    if driver.library == "requests":
+        from ._requests_driver import requests_open_connections
+
+        return requests_open_connections(driver)
     return [c for c in pool_of(driver).connections if not c.is_closed()]
 
 

@@ -354,9 +354,13 @@ def _read_whole(response: BaseHTTPResponse) -> BaseHTTPResponse:
 
 
 def _restore_read_timeout(response: BaseHTTPResponse, read: float | None) -> None:
-    """The headers came under the first-byte deadline: the body is read under the caller's own read timeout."""
-    connection = getattr(response, "connection", None)
-    sock = getattr(connection, "sock", None)
+    """The headers came under the first-byte deadline: the body is read under the caller's own read timeout, on
+    the socket the body comes from (http.client's response holds it even when its connection let go of it:
+    ``Connection: close``)."""
+    body = getattr(getattr(getattr(response, "_fp", None), "fp", None), "raw", None)
+    sock = getattr(body, "_sock", None)
+    if sock is None:
+        sock = getattr(getattr(response, "connection", None), "sock", None)
     if sock is not None:
         sock.settimeout(read)
 
