@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["COMMANDS", "EXIT_INTERRUPTED", "build_parser", "interrupted", "main"]
+
+from .exits import EXIT_INTERRUPTED, interrupted
 
 Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], argparse.ArgumentParser]
 Runner = Callable[[argparse.Namespace], int]
@@ -268,19 +269,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 #: The exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).
-EXIT_INTERRUPTED = 130
-
-
-def interrupted(command: str) -> int:
-    """Ctrl-C: one line, no traceback. A second Ctrl-C while this returns is ignored, so it stays one line."""
-    from .load import join_stragglers
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    left = join_stragglers()
-    extra = f" ({len(left)} thread(s) still waiting on the network are abandoned)" if left else ""
-    print(f"llama-guard {command}: interrupted{extra}", file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
-
-
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())

@@ -80,8 +80,8 @@ def _guard_class_for(client: object) -> tuple[type[Any], Any]:
         import httpx2
 
         from .._httpx2 import internals as httpx2_internals
-        from ..httpx2 import AsyncGuardTransport as AsyncGuardTransport2
-        from ..httpx2 import GuardTransport as GuardTransport2
+        from .._httpx2.async_transport import AsyncGuardTransport as AsyncGuardTransport2
+        from .._httpx2.sync_transport import GuardTransport as GuardTransport2
 
         if isinstance(client, httpx2.AsyncClient):
             return AsyncGuardTransport2, httpx2_internals

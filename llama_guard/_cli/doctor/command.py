@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..._core.llama_server import build_has_pool_defect
+from ..exits import interrupted
 from ..load import LoadRow
-from ..main import interrupted
 from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate, stuck_bound
 from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target
 from .report import check_report_path, write_report

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..main import EXIT_INTERRUPTED
+from ..exits import EXIT_INTERRUPTED
 from .cmdline import ServerCommand, is_llama_server, parse_server_command
 from .proc import (
     ProcessInfo,
