@@ -22,6 +22,7 @@ import aiohttp
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is, is_streaming_response
 from .._core.llama_server import RETRIED_STATUSES
+from .._core.origin_stats import Accounts
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.result import GuardResult, new_result
@@ -34,8 +35,6 @@ __all__ = ["GuardMiddleware", "guard_result", "request_options"]
 
 # The stack's name in the counts per origin (stats.by_origin(), llama_guard.metrics).
 STACK = "aiohttp"
-# Origins whose account a guard remembers by the URL's parts (one dict lookup per request); more are looked up.
-MAX_ACCOUNTS = 256
 
 ClientHandler = Any  # aiohttp.ClientHandlerType: ClientRequest -> Awaitable[ClientResponse]
 
@@ -98,8 +97,19 @@ class GuardMiddleware:
         self.stats = stats if stats is not None else GuardStats()
         self.origins = origins if origins is not None else OriginRegistry(self.policy.origins)
         self._strategies = Strategies(self.policy.connection, self.stats)
-        # Each origin's account in the stats (GuardStats.of_origin), by the URL's (scheme, host, port).
-        self._accounts: dict[tuple[str, str, int | None], GuardStats] = {}
+
+    @property
+    def stats(self) -> GuardStats:
+        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: GuardStats) -> None:
+        self._stats = stats
+        self._accounts = Accounts(stats, STACK)  # each origin's account in the stats
+        strategies = getattr(self, "_strategies", None)
+        if strategies is not None:
+            strategies.stats = stats
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.policy!r}>"
@@ -116,7 +126,7 @@ class GuardMiddleware:
         body, stream = await request_body(request)
         url = request.url
         scheme, host, port = url.scheme, url.raw_host or "", url.port
-        stats = self._accounts.get((scheme, host, port)) or self._account(scheme, host, port, origin)
+        stats = self._accounts.of(scheme, host, port, origin)
         connection = self._strategies.choice(scheme, host, port, origin, policy.connection)
         if first_attempt_goes_as_is(
             body,
@@ -257,13 +267,6 @@ class GuardMiddleware:
             # The first response of an origin in "auto" mode: it just said it is llama-server.
             self._drop_after_stream(response, self.stats.of_origin(STACK, origin))
         return response
-
-    def _account(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
-        """The account of a request's origin in the stats (`GuardStats.of_origin`), remembered by the URL's parts."""
-        account = self.stats.of_origin(STACK, origin if origin is not None else Origin.of(scheme, host, port))
-        if len(self._accounts) < MAX_ACCOUNTS:
-            self._accounts[scheme, host, port] = account
-        return account
 
     def _drop_after_stream(self, response: aiohttp.ClientResponse, stats: GuardStats) -> bool:
         """llama-server closes a stream's connection right after the final chunk, whatever its headers said: have

@@ -233,12 +233,12 @@ class Strategies:
     """One transport's (or session's) connection strategies: the final choice of each origin, kept per
     (scheme, host, port) as its HTTP library spells them, so the usual request pays one dict lookup."""
 
-    __slots__ = ("_chosen", "_mode", "_stats", "unix_socket")
+    __slots__ = ("_chosen", "_mode", "stats", "unix_socket")
 
     def __init__(self, mode: ConnectionMode, stats: GuardStats, *, unix_socket: bool = False) -> None:
         """``mode``: the transport policy's ``connection``; ``unix_socket``: the transport connects through one."""
         self._mode = mode
-        self._stats = stats
+        self.stats = stats  # where choices are recorded: the owner's, replaced with it
         self.unix_socket = unix_socket
         self._chosen: dict[tuple[str, str, int | None], ConnectionChoice] = {}
 
@@ -253,11 +253,11 @@ class Strategies:
                 return choice
         origin = origin if origin is not None else Origin.of(scheme, host, port)
         choice = CONNECTION_BOOK.of(origin).choice(mode, unix_socket=self.unix_socket)
-        announce_choice(origin, choice, self._stats)
+        announce_choice(origin, choice, self.stats)
         if choice.final and mode == self._mode:
             self._chosen[key] = choice
         return choice
 
     def answered(self, scheme: str, host: str, port: int | None, first_byte: float) -> None:
         """A request answered at its first attempt while its origin's strategy is being measured."""
-        teach(Origin.of(scheme, host, port), self._stats, request=first_byte)
+        teach(Origin.of(scheme, host, port), self.stats, request=first_byte)

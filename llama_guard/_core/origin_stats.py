@@ -22,7 +22,7 @@ from typing import Any
 from .origins import Origin
 from .stats import GuardStats, LatencyHistogram, StatsSnapshot
 
-__all__ = ["COUNTS", "EVERY_STATS", "OriginStats", "OriginTotals", "StatsSet"]
+__all__ = ["COUNTS", "EVERY_STATS", "Accounts", "OriginStats", "OriginTotals", "StatsSet"]
 
 #: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
 COUNTS = (
@@ -272,3 +272,30 @@ def _retire(owner: weakref.ref[StatsSet], accounts: dict[Key, GuardStats]) -> No
 
 #: Every `GuardStats` of the process (each joins when made): what the exporters read unless told otherwise.
 EVERY_STATS = StatsSet()
+
+
+class Accounts:
+    """One transport's (or middleware's) accounts per origin in its `GuardStats` (`GuardStats.of_origin`),
+    remembered by the URL's (scheme, host, port) as its HTTP library spells them: one dict lookup per request."""
+
+    __slots__ = ("_known", "_stack", "_stats")
+
+    #: Origins remembered by their URL's parts; more are looked up each time (a client of very many servers).
+    MAX_REMEMBERED = 256
+
+    def __init__(self, stats: GuardStats, stack: str) -> None:
+        """``stack``: the name counts are kept under (``"httpx"``, ``"httpx2"``, ``"aiohttp"``, ``"requests"``)."""
+        self._stats = stats
+        self._stack = stack
+        self._known: dict[tuple[str, str, int | None], GuardStats] = {}
+
+    def of(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
+        """The account of a request's origin (``origin``: if the caller worked it out already)."""
+        account = self._known.get((scheme, host, port))
+        if account is None:
+            account = self._stats.of_origin(
+                self._stack, origin if origin is not None else Origin.of(scheme, host, port)
+            )
+            if len(self._known) < self.MAX_REMEMBERED:
+                self._known[scheme, host, port] = account
+        return account

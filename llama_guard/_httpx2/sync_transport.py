@@ -19,6 +19,7 @@ from .._core.late_answers import GivenUpWatches
 from .._core.llama_server import RETRIED_STATUSES
 from .._core.log import STALL_LOG, WARN_ONCE, logger
 from .._core.origin_probes import PROBE_BOOK
+from .._core.origin_stats import Accounts
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
@@ -66,8 +67,6 @@ __all__ = ["GuardTransport"]
 DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
 # The stack's name in the counts per origin (stats.by_origin(), llama_guard.metrics): "httpx", or "httpx2" in the twin.
 STACK = httpx.__name__
-# Origins whose account a transport remembers by the URL's parts (one dict lookup per request); more are looked up.
-MAX_ACCOUNTS = 256
 
 
 # Kicks open a bare TCP connection with httpcore's public backend (the pool's own is the caller's to configure).
@@ -152,11 +151,22 @@ class GuardTransport(httpx.BaseTransport):
         self._drops_streams = self._policy.stream_mode != "off"
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self._unprobeable: set[Origin] = set()
-        # Each origin's account in the stats (GuardStats.of_origin), by the URL's (scheme, host, port).
-        self._accounts: dict[tuple[str, str, int | None], GuardStats] = {}
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
         self._reports_trace_events: bool | None = None
+
+    @property
+    def stats(self) -> GuardStats:
+        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: GuardStats) -> None:
+        self._stats = stats
+        self._accounts = Accounts(stats, STACK)  # each origin's account in the stats
+        strategies = getattr(self, "_strategies", None)
+        if strategies is not None:
+            strategies.stats = stats
 
     @property
     def policy(self) -> GuardPolicy:
@@ -210,7 +220,7 @@ class GuardTransport(httpx.BaseTransport):
         started = time.monotonic()
         url = request.url
         scheme, host, port = url.scheme, url.host, url.port
-        stats = self._accounts.get((scheme, host, port)) or self._account(scheme, host, port, origin)
+        stats = self._accounts.of(scheme, host, port, origin)
         connection = self._strategies.choice(scheme, host, port, origin, policy.connection)
         may_close = self._may_close(url)
         closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
@@ -436,13 +446,6 @@ class GuardTransport(httpx.BaseTransport):
             # dies after this stream too.
             self._drop_after_stream(response, self.stats.of_origin(STACK, origin))
         return response
-
-    def _account(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
-        """The account of a request's origin in the stats (`GuardStats.of_origin`), remembered by the URL's parts."""
-        account = self.stats.of_origin(STACK, origin if origin is not None else Origin.of(scheme, host, port))
-        if len(self._accounts) < MAX_ACCOUNTS:
-            self._accounts[scheme, host, port] = account
-        return account
 
     def _drop_after_stream(self, response: httpx.Response, stats: GuardStats) -> bool:
         if response.extensions.get("http_version", b"HTTP/1.1") != b"HTTP/1.1":
