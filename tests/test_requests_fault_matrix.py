@@ -12,8 +12,6 @@ import pytest
 
 from .test_fault_matrix import ROWS, Case, frozen_heap, run_case
 
-pytest.importorskip("requests")
-
 __all__ = ["frozen_heap"]  # the matrix's module fixture, autouse here too
 
 

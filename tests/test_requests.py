@@ -1,0 +1,524 @@
+"""llama_guard for requests and urllib3, against the emulator on real loopback sockets.
+
+Each mechanism is shown failing with plain requests and holding through the guard, in the same test, three ways:
+a mounted `GuardAdapter`, `llama_guard.guard(session)`, and `llama_guard.install()` (sessions made before and
+after it, the module-level ``requests.post``, urllib3's ``PoolManager`` and pools used directly). The server side
+counts what it received and ran. Also here: how the guard's retries and urllib3's ``Retry`` combine, the caller's
+request left as it was, results and counters, bad input, and the public names.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import requests
+import requests.adapters
+import urllib3
+from urllib3.connectionpool import HTTPConnectionPool
+from urllib3.util.retry import Retry
+
+import llama_guard
+import llama_guard.requests as guard_requests
+from llama_guard import GuardPolicy
+from llama_guard.testing import Fault, LlamaServerEmulator
+
+CHAT = "/v1/chat/completions"
+#: Requests of a sequential run: non-streamed, streamed, non-streamed, ... on one session.
+ALTERNATING = 40
+#: Plain requests loses every non-streamed request but the first: urllib3 hands it the connection the stream before it
+#: left behind, which the emulator's server dropped after the final chunk without a FIN (stream_close="on_reuse").
+LOST_AFTER_STREAMS = ALTERNATING // 2 - 1
+#: The shared-session load: threads, requests per thread (every other one streamed), the pool's size.
+THREADS = 16
+PER_THREAD = 10
+POOL_MAXSIZE = 4
+#: Every wait of these tests is bounded by this (the client's read timeout; a lost request fails, never hangs).
+TIMEOUT = 10.0
+ORIGINALS = {
+    (HTTPConnectionPool, "urlopen"): HTTPConnectionPool.__dict__["urlopen"],
+    (requests.adapters.HTTPAdapter, "send"): requests.adapters.HTTPAdapter.__dict__["send"],
+}
+
+
+def chat(stream: bool, tokens: int = 4) -> dict[str, object]:
+    return {"messages": [{"role": "user", "content": "hi"}], "stream": stream, "max_tokens": tokens}
+
+
+@pytest.fixture(autouse=True)
+def uninstalled_afterwards() -> Iterator[None]:
+    yield
+    llama_guard.uninstall()
+    for (cls, name), original in ORIGINALS.items():
+        assert cls.__dict__[name] is original, f"{cls.__module__}.{cls.__name__}.{name} was left patched"
+
+
+def close_session(session: Any) -> None:
+    """Close a session and its pools' idle connections (urllib3 2.8's PoolManager.clear() leaves them to the
+    garbage collector)."""
+    for adapter in session.adapters.values():
+        manager = adapter.poolmanager
+        for key in list(manager.pools.keys()):
+            manager.pools[key].close()
+    session.close()
+
+
+def ask(post: Callable[..., Any], url: str, stream: bool) -> Any:
+    """One chat completion, its body read whole: the response, or the requests error it raised."""
+    try:
+        response = post(url + CHAT, json=chat(stream), timeout=TIMEOUT)
+        body = response.content
+        assert response.status_code == 200, response.status_code
+        if stream:
+            assert body.endswith(b"data: [DONE]\n\n"), body[-40:]
+        return response
+    except requests.RequestException as exc:
+        return exc
+
+
+def alternate(post: Callable[..., Any], url: str, n: int = ALTERNATING) -> list[Any]:
+    return [ask(post, url, stream=index % 2 == 1) for index in range(n)]
+
+
+def lost(outcomes: list[Any]) -> list[int]:
+    return [index for index, outcome in enumerate(outcomes) if isinstance(outcome, BaseException)]
+
+
+def guarded_session(how: str, url: str, policy: GuardPolicy | None = None, **adapter: Any) -> Any:
+    """A session guarded ``how``: "adapter" (a mounted GuardAdapter), "guard" (guard(session)), "install"
+    (a plain session, with install() for ``url``)."""
+    session = requests.Session()
+    if how == "adapter":
+        mounted = guard_requests.GuardAdapter(policy=policy, **adapter)
+        session.mount("http://", mounted)
+        session.mount("https://", mounted)
+        return session
+    if adapter:
+        session.mount("http://", requests.adapters.HTTPAdapter(**adapter))
+    if how == "guard":
+        return llama_guard.guard(session, policy=policy)
+    assert how == "install"
+    llama_guard.install(origins=[url], policy=policy)
+    return session
+
+
+HOW = pytest.mark.parametrize("how", ["adapter", "guard", "install"])
+STRATEGIES = pytest.mark.parametrize("connection", ["auto", "reuse"])
+
+
+@HOW
+@STRATEGIES
+def test_sequential_streams_lose_nothing_where_plain_requests_loses(
+    how: str, connection: str, racy_server: LlamaServerEmulator
+) -> None:
+    """Defect 1: plain requests loses the request after every stream, every time; through the guard nothing is
+    lost and each completion runs once."""
+    plain = requests.Session()
+    try:
+        outcomes = alternate(plain.post, racy_server.url)
+    finally:
+        close_session(plain)
+    assert lost(outcomes) == list(range(2, ALTERNATING, 2))
+    assert all(isinstance(outcomes[i], requests.ConnectionError) for i in lost(outcomes))
+    racy_server.wait_for(lambda s: s.requests_dropped_after_stream == LOST_AFTER_STREAMS)
+
+    session = guarded_session(how, racy_server.url, GuardPolicy(connection=connection))
+    try:
+        outcomes = alternate(session.post, racy_server.url)
+        stats = llama_guard.stats_of(session).snapshot()
+    finally:
+        close_session(session)
+    assert lost(outcomes) == []
+    results = [guard_requests.result_of(o) for o in outcomes]
+    assert all(
+        r is not None and r.attempts == 1 and r.connection == connection.replace("auto", "close") for r in results
+    )
+    assert [r.stream for r in results if r is not None] == [index % 2 == 1 for index in range(ALTERNATING)]
+    assert stats.requests == ALTERNATING
+    assert stats.retries == 0
+    assert stats.stream_connections_closed == ALTERNATING // 2  # Connection: close on every stream
+    server = racy_server.wait_for(lambda s: s.completions_finished == 2 * ALTERNATING - LOST_AFTER_STREAMS)
+    assert server.requests_dropped_after_stream == LOST_AFTER_STREAMS  # plain's only: the guard lost none
+    if connection == "reuse":
+        assert server.requests_to("/health") == stats.probes_sent > 0  # each new connection probed once
+
+
+def test_stream_drop_mode_closes_the_connection_after_the_final_chunk(racy_server: LlamaServerEmulator) -> None:
+    """stream_mode="drop": no Connection: close on the request; the stream's connection is closed when the
+    response gives it back to urllib3's pool, never reused."""
+    policy = GuardPolicy(connection="reuse", stream_mode="drop", max_attempts=1)  # no retry: the drop alone
+    session = guarded_session("adapter", racy_server.url, policy)
+    try:
+        outcomes = alternate(session.post, racy_server.url)
+        stats = llama_guard.stats_of(session).snapshot()
+    finally:
+        close_session(session)
+    assert lost(outcomes) == []
+    assert stats.stream_connections_dropped == ALTERNATING // 2
+    assert racy_server.stats().requests_dropped_after_stream == 0
+
+
+def shared_load(session: Any, url: str) -> list[Any]:
+    """THREADS threads share ``session``, each sending PER_THREAD chat completions, every other one streamed, all
+    starting together."""
+    start = threading.Barrier(THREADS)
+
+    def worker(index: int) -> list[Any]:
+        start.wait(TIMEOUT)
+        return [ask(session.post, url, stream=(index + n) % 2 == 1) for n in range(PER_THREAD)]
+
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        return [o for outcomes in pool.map(worker, range(THREADS)) for o in outcomes]
+
+
+@HOW
+@STRATEGIES
+@pytest.mark.timeout(120)
+def test_shared_session_under_16_threads_loses_nothing_where_plain_loses(
+    how: str, connection: str, racy_server: LlamaServerEmulator
+) -> None:
+    """One session shared by 16 threads (a pool of 4, so urllib3 opens, pools and discards connections all the
+    time), half of the requests streamed: plain requests loses some; through the guard none, each run once."""
+    plain = requests.Session()
+    plain.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=POOL_MAXSIZE))
+    try:
+        outcomes = shared_load(plain, racy_server.url)
+    finally:
+        close_session(plain)
+    plain_lost = len(lost(outcomes))
+    assert plain_lost > 0
+    before = racy_server.wait_for(lambda s: s.requests_dropped_after_stream == plain_lost)
+
+    session = guarded_session(how, racy_server.url, GuardPolicy(connection=connection), pool_maxsize=POOL_MAXSIZE)
+    try:
+        outcomes = shared_load(session, racy_server.url)
+        stats = llama_guard.stats_of(session).snapshot()
+    finally:
+        close_session(session)
+    assert lost(outcomes) == [], [outcomes[i] for i in lost(outcomes)][:3]
+    assert stats.requests == THREADS * PER_THREAD
+    total = THREADS * PER_THREAD
+    after = racy_server.wait_for(lambda s: s.completions_finished == before.completions_finished + total)
+    # Ran exactly once each: a request resent after a dead pooled connection had never been read.
+    assert after.completions_started == before.completions_started + total
+
+
+@pytest.mark.timeout(120)
+def test_the_probe_replaces_the_connections_a_burst_leaves_unread(stalling_server: LlamaServerEmulator) -> None:
+    """Defect 2 (the pool stall of builds before b11737): 16 threads open 16 connections at once on one session;
+    the server leaves 12 of them unread. Plain requests: those requests wait for their read timeout. Guarded
+    (reuse: the probe), each stalled connection fails its probe and is replaced; every request answered once."""
+    server = stalling_server
+    clients = server.config.stall_burst or 0
+    served = server.config.http_threads
+    start = threading.Barrier(clients)
+
+    def load(session: Any, timeout: float) -> list[Any]:
+        def worker(_: int) -> Any:
+            start.wait(TIMEOUT)
+            try:
+                response = session.post(server.url + CHAT, json=chat(False), timeout=timeout)
+                return response.content and response
+            except requests.RequestException as exc:
+                return exc
+
+        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+            return list(pool.map(worker, range(clients)))
+
+    policy = GuardPolicy(connection="reuse", probe_timeout=1.0, probe_kick=False)
+    session = guarded_session("adapter", server.url, policy, pool_maxsize=clients)
+    try:
+        outcomes = load(session, TIMEOUT)
+        stats = llama_guard.stats_of(session).snapshot()
+    finally:
+        close_session(session)
+    assert lost(outcomes) == []
+    seen = server.stats()
+    assert seen.connections_stalled == clients - served
+    assert stats.probes_failed == clients - served  # exactly the stalled ones, each replaced once
+    assert seen.completions_started == clients  # nothing ran twice
+
+
+def other_server_is_untouched(url: str) -> None:
+    """Requests to an origin install() was not given: no probe, no Connection: close, no result."""
+    response = requests.post(url + CHAT, json=chat(True), timeout=TIMEOUT)
+    assert response.status_code == 200
+    assert guard_requests.result_of(response) is None
+
+
+@pytest.mark.timeout(120)
+def test_install_covers_sessions_module_functions_and_urllib3(racy_server: LlamaServerEmulator) -> None:
+    """install(origins=[url]): a session made before it and one made after, requests.post, a urllib3 PoolManager
+    and an HTTPConnectionPool used directly lose nothing; plain, each of them loses. uninstall() restores urllib3
+    and requests, and the pools it hooked."""
+    url = racy_server.url
+    before = requests.Session()
+    manager = urllib3.PoolManager()
+    pool = HTTPConnectionPool("127.0.0.1", racy_server.port, maxsize=1)
+
+    def urllib3_post(target: Any) -> Callable[..., Any]:
+        def post(address: str, *, json: Any, timeout: float) -> Any:
+            path = address.removeprefix(url)
+            try:
+                if target is manager:
+                    answer = manager.request("POST", address, json=json, timeout=timeout, retries=False)
+                else:
+                    answer = pool.request("POST", path, json=json, timeout=timeout, retries=False)
+            except urllib3.exceptions.HTTPError as exc:
+                raise requests.ConnectionError(exc) from exc
+            return _Urllib3Answer(answer)
+
+        return post
+
+    def everyone() -> dict[str, list[Any]]:
+        after = requests.Session()
+        try:
+            return {
+                "session made before": alternate(before.post, url, 10),
+                "session made after": alternate(after.post, url, 10),
+                "requests.post": alternate(requests.post, url, 10),
+                "PoolManager": alternate(urllib3_post(manager), url, 10),
+                "HTTPConnectionPool": alternate(urllib3_post(pool), url, 10),
+            }
+        finally:
+            close_session(after)
+
+    try:
+        plain = everyone()
+        # requests.post opens a new session per call: plain, it never reuses a connection, and loses nothing.
+        assert {name: len(lost(o)) > 0 for name, o in plain.items()} == {
+            "session made before": True,
+            "session made after": True,
+            "requests.post": False,
+            "PoolManager": True,
+            "HTTPConnectionPool": True,
+        }
+        installation = llama_guard.install(origins=[url], policy=GuardPolicy(connection="reuse"))
+        guarded = everyone()
+        assert {name: lost(o) for name, o in guarded.items()} == {name: [] for name in guarded}
+        assert installation.stats.snapshot().requests == 50
+        assert all(guard_requests.result_of(o) is not None for outcomes in guarded.values() for o in outcomes)
+        assert llama_guard.stats_of(before) is installation.stats
+        llama_guard.uninstall()
+        for hooked in (pool, *(manager.pools[key] for key in list(manager.pools.keys()))):
+            assert not {"urlopen", "ConnectionCls", "_put_conn", "_llama_guard_pool"} & set(vars(hooked)), vars(hooked)
+        again = alternate(before.post, url, 10)
+        assert len(lost(again)) > 0  # plain again
+    finally:
+        close_session(before)
+        manager.clear()
+        pool.close()
+
+
+class _Urllib3Answer:
+    """A urllib3 response with the parts `ask` reads of a requests response."""
+
+    def __init__(self, response: Any) -> None:
+        self.raw = response
+        self.status_code = response.status
+        self.content = response.data
+        self._llama_guard_result = getattr(response, "_llama_guard_result", None)
+
+
+def test_other_origins_are_left_alone(racy_server: LlamaServerEmulator) -> None:
+    """install() for one origin: another origin's requests go out as without it (no probe, no Connection: close:
+    one kept-alive connection for all; no result), although it is a llama-server too."""
+    with LlamaServerEmulator() as other:
+        installation = llama_guard.install(origins=[racy_server.url], policy=GuardPolicy(connection="reuse"))
+        session = requests.Session()
+        try:
+            for _ in range(3):
+                response = session.post(other.url + CHAT, json=chat(False), timeout=TIMEOUT)
+                assert response.status_code == 200
+                assert guard_requests.result_of(response) is None
+        finally:
+            close_session(session)
+        seen = other.stats()
+        assert seen.requests_to("/health") == 0
+        assert seen.connections_accepted == 1  # kept alive: no Connection: close was added (auto is close here)
+        assert installation.stats.snapshot().requests == 0
+
+
+def test_an_explicit_guard_is_not_doubled_by_install(racy_server: LlamaServerEmulator) -> None:
+    installation = llama_guard.install(origins=[racy_server.url])
+    session = guarded_session("adapter", racy_server.url, GuardPolicy(connection="reuse"))
+    try:
+        outcomes = alternate(session.post, racy_server.url, 10)
+    finally:
+        close_session(session)
+    assert lost(outcomes) == []
+    assert llama_guard.stats_of(session).snapshot().requests == 10
+    assert installation.stats.snapshot().requests == 0
+
+
+# -- the guard's retries and urllib3's Retry ------------------------------------------------------------------------
+
+#: A Retry that lets urllib3 resend everything: connect, read and status retries, every method.
+GENEROUS_RETRY = Retry(total=5, connect=5, read=5, status=5, other=5, allowed_methods=None, backoff_factor=0)
+
+
+def test_urllib3_retry_and_the_guard_never_multiply() -> None:
+    """Every answer is garbage (no valid headers): plain requests with a generous Retry sends the request 6 times
+    (urllib3's 5 retries); guarded, with the same Retry on the adapter and max_attempts=3, exactly 3: urllib3 sends
+    each of the guard's attempts once, so the total is the guard's, never 3 x 6."""
+    with LlamaServerEmulator() as server:
+        server.inject(Fault.GARBAGE, path=CHAT, count=None)
+        plain = requests.Session()
+        plain.mount("http://", requests.adapters.HTTPAdapter(max_retries=GENEROUS_RETRY))
+        try:
+            with pytest.raises(requests.ConnectionError):
+                plain.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        finally:
+            close_session(plain)
+        assert server.wait_for(lambda s: s.requests_to(CHAT) == 6).requests_to(CHAT) == 6
+
+        policy = GuardPolicy(max_attempts=3, backoff=0.01)
+        session = guarded_session("adapter", server.url, policy, max_retries=GENEROUS_RETRY)
+        try:
+            with pytest.raises(requests.ConnectionError) as raised:
+                session.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        finally:
+            close_session(session)
+        assert isinstance(raised.value, llama_guard.GuardError)
+        assert raised.value.attempts == 3
+        assert "max_attempts=3 reached" in str(raised.value)
+        assert server.wait_for(lambda s: s.requests_to(CHAT) == 6 + 3).requests_to(CHAT) == 9
+
+
+def test_a_one_shot_body_is_never_sent_twice_by_either() -> None:
+    """A generator body, written and then the connection closed without an answer: urllib3's generous Retry would
+    resend it (with nothing left to send); through the guard it goes once, and the caller gets the error."""
+    with LlamaServerEmulator() as server:
+        server.inject(Fault.HEADERS_NEVER, path=CHAT, count=None, hold=0)
+        session = guarded_session("adapter", server.url, GuardPolicy(backoff=0.01), max_retries=GENEROUS_RETRY)
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}'
+        try:
+            with pytest.raises(requests.ConnectionError) as raised:
+                session.post(
+                    server.url + CHAT, data=iter([body]), headers={"Content-Type": "application/json"}, timeout=TIMEOUT
+                )
+        finally:
+            close_session(session)
+        assert isinstance(raised.value, llama_guard.GuardError)
+        assert raised.value.attempts == 1
+        assert "one-shot" in str(raised.value)
+        assert server.stats().requests_to(CHAT) == 1
+
+
+def test_the_guard_retries_where_requests_default_would_not(racy_server: LlamaServerEmulator) -> None:
+    """requests' default Retry(0, read=False) sends once; the guard's own attempts still resend a request lost on a
+    dead pooled connection (stream_mode="off": the stream's connection is reused, and the request after it lost)."""
+    session = guarded_session("adapter", racy_server.url, GuardPolicy(connection="reuse", stream_mode="off"))
+    try:
+        outcomes = alternate(session.post, racy_server.url, 10)
+        stats = llama_guard.stats_of(session).snapshot()
+    finally:
+        close_session(session)
+    assert lost(outcomes) == []
+    assert stats.retries == 4 == stats.retries_by_reason["dead_connection"]
+    results = [guard_requests.result_of(o) for o in outcomes]
+    assert [r.attempts for r in results if r is not None] == [1, 1] + [2, 1] * 4
+
+
+# -- the caller's request, results, counters ------------------------------------------------------------------------
+
+
+def test_the_callers_request_is_never_changed(racy_server: LlamaServerEmulator) -> None:
+    """Connection: close goes out on a copy of the headers: the caller's PreparedRequest keeps its own."""
+    session = guarded_session("adapter", racy_server.url)  # auto: close on loopback
+    try:
+        prepared = requests.Request("POST", racy_server.url + CHAT, json=chat(True)).prepare()
+        headers = dict(prepared.headers)
+        response = session.send(prepared, timeout=TIMEOUT)
+        assert response.status_code == 200
+        assert dict(prepared.headers) == headers
+        assert "Connection" not in prepared.headers
+        result = llama_guard.result_of(response)
+        assert result is not None
+        assert result.connection == "close"
+        assert result.connection_closed
+    finally:
+        close_session(session)
+
+
+def test_result_and_stats_reach_every_way_in(racy_server: LlamaServerEmulator) -> None:
+    adapter = guard_requests.GuardAdapter()
+    session = requests.Session()
+    session.mount("http://", adapter)
+    try:
+        response = session.post(racy_server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        assert llama_guard.result_of(response) == guard_requests.result_of(response) == response.raw._llama_guard_result
+        assert llama_guard.stats_of(session) is adapter.stats is llama_guard.stats_of(adapter)
+        accounts = adapter.stats.by_origin()
+        assert [(stack, str(origin)) for stack, origin in accounts] == [("requests", racy_server.url)]
+        assert next(iter(accounts.values())).snapshot().requests == 1
+    finally:
+        close_session(session)
+    with pytest.raises(ValueError, match=r"guard\(session\)"):
+        llama_guard.stats_of(requests.Session())
+
+
+def test_guard_session_keeps_the_adapters_settings(racy_server: LlamaServerEmulator) -> None:
+    session = requests.Session()
+    retry = Retry(total=2)
+    session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=3, max_retries=retry))
+    assert llama_guard.guard(session) is session
+    adapter = session.adapters["http://"]
+    assert type(adapter) is requests.adapters.HTTPAdapter
+    assert adapter.max_retries is retry
+    assert adapter._pool_maxsize == 3
+    stats = llama_guard.stats_of(session)
+    assert llama_guard.guard(session) is session  # again: the same guard
+    assert llama_guard.stats_of(session) is stats
+    llama_guard.guard(session, policy=GuardPolicy(max_attempts=2))  # a new policy: a new guard
+    assert llama_guard.stats_of(session) is not stats
+    close_session(session)
+
+
+# -- bad input, the public face -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: guard_requests.GuardAdapter(policy="reuse"), TypeError, "policy must be a llama_guard.GuardPolicy"),
+        (lambda: guard_requests.GuardAdapter(stats={}), TypeError, "stats must be a llama_guard.GuardStats"),
+        (lambda: llama_guard.guard(requests.Session(), policy=3), TypeError, "policy must be"),
+        (lambda: guard_requests.guard_session(object()), TypeError, "takes a requests.Session"),
+        (lambda: guard_requests.request_options(bogus=1).__enter__(), ValueError, "bogus"),
+    ],
+)
+def test_bad_input_says_what_is_accepted(call: Callable[[], Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_public_names() -> None:
+    assert sorted(guard_requests.__all__) == sorted(
+        [
+            "FirstByteTimeout",
+            "GuardAdapter",
+            "GuardError",
+            "GuardPolicy",
+            "GuardResult",
+            "GuardStats",
+            "ProbeError",
+            "ProbeTimeout",
+            "Urllib3FirstByteTimeout",
+            "Urllib3ProbeError",
+            "Urllib3ProbeTimeout",
+            "guard_session",
+            "request_options",
+            "result_of",
+        ]
+    )
+    assert issubclass(guard_requests.ProbeTimeout, requests.ConnectTimeout)
+    assert issubclass(guard_requests.ProbeError, requests.ConnectionError)
+    assert issubclass(guard_requests.FirstByteTimeout, requests.ReadTimeout)
+    assert issubclass(guard_requests.GuardAdapter, requests.adapters.HTTPAdapter)
+    for name in ("ProbeTimeout", "ProbeError", "FirstByteTimeout", "GuardAdapter"):
+        assert getattr(guard_requests, name).__module__ == "llama_guard.requests"
+        assert issubclass(getattr(guard_requests, name), (llama_guard.GuardError, requests.adapters.HTTPAdapter))
