@@ -206,39 +206,61 @@ def test_shared_session_under_16_threads_loses_nothing_where_plain_loses(
     assert after.completions_started == before.completions_started + total
 
 
+def burst_load(url: str, session: Any, clients: int, timeout: float) -> list[Any]:
+    """``clients`` threads share ``session`` and ask at once: ``clients`` new connections in a burst."""
+    start = threading.Barrier(clients)
+
+    def worker(_: int) -> Any:
+        start.wait(TIMEOUT)
+        return _ask_within(session, url, timeout)
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        return list(pool.map(worker, range(clients)))
+
+
+def _ask_within(session: Any, url: str, timeout: float) -> Any:
+    try:
+        response = session.post(url + CHAT, json=chat(False), timeout=timeout)
+        assert response.status_code == 200
+        return response
+    except requests.RequestException as exc:
+        return exc
+
+
+#: The plain session's read timeout in the burst: what a request left unread waits before it fails.
+PLAIN_BURST_TIMEOUT = 1.0
+
+
 @pytest.mark.timeout(120)
 def test_the_probe_replaces_the_connections_a_burst_leaves_unread(stalling_server: LlamaServerEmulator) -> None:
     """Defect 2 (the pool stall of builds before b11737): 16 threads open 16 connections at once on one session;
-    the server leaves 12 of them unread. Plain requests: those requests wait for their read timeout. Guarded
-    (reuse: the probe), each stalled connection fails its probe and is replaced; every request answered once."""
+    the server leaves 12 of them unread. Plain requests: those requests get nothing until their read timeout (on a
+    server of its own, as configured). Guarded (reuse: the probe), each stalled connection fails its probe and is
+    replaced; every request answered once."""
     server = stalling_server
     clients = server.config.stall_burst or 0
-    served = server.config.http_threads
-    start = threading.Barrier(clients)
-
-    def load(session: Any, timeout: float) -> list[Any]:
-        def worker(_: int) -> Any:
-            start.wait(TIMEOUT)
-            try:
-                response = session.post(server.url + CHAT, json=chat(False), timeout=timeout)
-                return response.content and response
-            except requests.RequestException as exc:
-                return exc
-
-        with concurrent.futures.ThreadPoolExecutor(clients) as pool:
-            return list(pool.map(worker, range(clients)))
+    stalled = clients - server.config.http_threads
+    with LlamaServerEmulator(http_threads=server.config.http_threads, stall_burst=clients) as plain_server:
+        plain = requests.Session()
+        plain.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=clients))
+        try:
+            outcomes = burst_load(plain_server.url, plain, clients, PLAIN_BURST_TIMEOUT)
+        finally:
+            close_session(plain)
+        assert len(lost(outcomes)) == stalled
+        assert all(isinstance(outcomes[i], requests.ReadTimeout) for i in lost(outcomes))
 
     policy = GuardPolicy(connection="reuse", probe_timeout=1.0, probe_kick=False)
     session = guarded_session("adapter", server.url, policy, pool_maxsize=clients)
     try:
-        outcomes = load(session, TIMEOUT)
+        outcomes = burst_load(server.url, session, clients, TIMEOUT)
         stats = llama_guard.stats_of(session).snapshot()
     finally:
         close_session(session)
     assert lost(outcomes) == []
     seen = server.stats()
-    assert seen.connections_stalled == clients - served
-    assert stats.probes_failed == clients - served  # exactly the stalled ones, each replaced once
+    assert seen.connections_stalled == stalled
+    assert stats.probes_failed == stalled  # exactly the stalled ones, each replaced once
     assert seen.completions_started == clients  # nothing ran twice
 
 
