@@ -234,9 +234,10 @@ PLAIN_BURST_TIMEOUT = 1.0
 @pytest.mark.timeout(120)
 def test_the_probe_replaces_the_connections_a_burst_leaves_unread(stalling_server: LlamaServerEmulator) -> None:
     """Defect 2 (the pool stall of builds before b11737): 16 threads open 16 connections at once on one session;
-    the server leaves 12 of them unread. Plain requests: those requests get nothing until their read timeout (on a
-    server of its own, as configured). Guarded (reuse: the probe), each stalled connection fails its probe and is
-    replaced; every request answered once."""
+    the server leaves up to 12 of them unread (how many of the threads' connections make one burst depends on when
+    each connects). Plain requests: those requests get nothing until their read timeout (on a server of its own,
+    as configured). Guarded (reuse: the probe), each stalled connection fails its probe and is replaced; every
+    request answered once."""
     server = stalling_server
     clients = server.config.stall_burst or 0
     stalled = clients - server.config.http_threads
@@ -247,7 +248,8 @@ def test_the_probe_replaces_the_connections_a_burst_leaves_unread(stalling_serve
             outcomes = burst_load(plain_server.url, plain, clients, PLAIN_BURST_TIMEOUT)
         finally:
             close_session(plain)
-        assert len(lost(outcomes)) == stalled
+        # How many of the threads' connections the server takes for one burst depends on when each connects.
+        assert 0 < len(lost(outcomes)) <= stalled
         assert all(isinstance(outcomes[i], requests.ReadTimeout) for i in lost(outcomes))
 
     policy = GuardPolicy(connection="reuse", probe_timeout=1.0, probe_kick=False)
@@ -259,8 +261,8 @@ def test_the_probe_replaces_the_connections_a_burst_leaves_unread(stalling_serve
         close_session(session)
     assert lost(outcomes) == []
     seen = server.stats()
-    assert seen.connections_stalled == stalled
-    assert stats.probes_failed == stalled  # exactly the stalled ones, each replaced once
+    assert 0 < seen.connections_stalled <= stalled
+    assert stats.probes_failed == seen.connections_stalled  # exactly the stalled ones, each replaced once
     assert seen.completions_started == clients  # nothing ran twice
 
 
