@@ -16,15 +16,13 @@ of its socket, half closed, is watched a while for a late answer (`_core/late_an
 from __future__ import annotations
 
 import asyncio
-import functools
-import time
 from typing import Any, NoReturn
 
 import aiohttp
 
 from .._core.late_answers import GivenUpWatches
 from .._core.llama_server import CLIENT_KEEPALIVE
-from .._core.origin_probes import OriginProbes
+from .._core.origin_probes import Admission
 from .._core.origins import Origin
 from .._core.probe_machine import (
     Abort,
@@ -97,7 +95,7 @@ class ProbingHooks(ConnectionHooks):
 
     async def connecting(
         self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout
-    ) -> tuple[OriginProbes, int] | None:
+    ) -> Admission[AsyncTurn] | None:
         run = current_run(request)
         if run is None:
             return None
@@ -115,10 +113,9 @@ class ProbingHooks(ConnectionHooks):
             await self._probe(transport, run)
         run.connected()
 
-    def finished(self, request: aiohttp.ClientRequest, token: tuple[OriginProbes, int] | None) -> None:
-        if token is not None:
-            probes, ticket = token
-            probes.leave(ticket)  # wakes the next connection waiting for its turn
+    def finished(self, request: aiohttp.ClientRequest, admission: Admission[AsyncTurn] | None) -> None:
+        if admission is not None:
+            admission.leave()  # wakes the next connection waiting for its turn
 
     def _probes(self, run: AiohttpRequest, request: aiohttp.ClientRequest) -> bool:
         # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
@@ -165,34 +162,23 @@ class ProbingHooks(ConnectionHooks):
         raise probe_error(ProbeTimeout if abort.timed_out else ProbeError, run.aiohttp_request, abort.message)
 
 
-async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> tuple[OriginProbes, int] | None:
-    """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the token for
-    `ProbingHooks.finished`, or None. Bounded by the caller's connect timeout: aiohttp's ``connect`` timer covers the
-    whole connect, this wait included (it then raises its own ConnectionTimeoutError); the smaller of ``connect``
-    and ``sock_connect`` bounds it here too, with a message that names the admission."""
-    probes = run.origin_probes
-    if not probes.admission_needed(run.policy):
-        return None
-    # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop
-    # that runs: the turn is made here, in the waiter's own loop, and woken thread-safely (_core/turns.py).
-    turn = AsyncTurn()
-    ticket = probes.take_ticket(turn)
-    if probes.admit(ticket):
-        return probes, ticket
+async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> Admission[AsyncTurn] | None:
+    """This connection's place in its origin's queue, once its turn has come (`Admission`), or None. aiohttp's
+    ``connect`` timer covers the whole connect, this wait included (it then raises its own ConnectionTimeoutError);
+    the smaller of ``connect`` and ``sock_connect`` bounds it here too, with a message that names the admission."""
+    admission = Admission.of(run, AsyncTurn)  # woken thread-safely, from any loop (_core/turns.py)
+    if admission is None or not admission.waits:
+        return admission
     bounds = [t for t in (timeout.connect, timeout.sock_connect) if t is not None]
     bound = min(bounds) if bounds else None
-    started = time.monotonic()
     try:
-        if not await turn.wait_until(functools.partial(probes.admit, ticket), bound):
-            raise aiohttp.ConnectionTimeoutError(
-                f"waited {bound:g} s (the connect timeout) for the other new connections to {probes.origin} to be "
-                "probed first (connect_admission)"
-            )
+        if not await admission.turn.wait_until(admission.admitted, bound):
+            raise aiohttp.ConnectionTimeoutError(admission.timeout_message(bound))
     except BaseException:  # timed out or cancelled while waiting: give the place up
-        probes.leave(ticket)
+        admission.leave()
         raise
-    run.stats.record_admission_wait(time.monotonic() - started)
-    return probes, ticket
+    admission.waited()
+    return admission
 
 
 def _discard(transport: asyncio.Transport, protocol: Any) -> None:

@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from .late_answers import EXPIRY
 from .origins import Origin
@@ -42,6 +43,7 @@ from .stats import GuardStats
 from .turns import Turn
 
 __all__ = [
+    "Admission",
     "LEARN_AFTER",
     "PROBE_BOOK",
     "PROBE_SLICE",
@@ -312,3 +314,49 @@ class ProbeBook:
 
 # The process's book: transports share it unless given their own.
 PROBE_BOOK = ProbeBook()
+
+
+TurnT = TypeVar("TurnT", bound=Turn)
+
+
+class Admission(Generic[TurnT]):
+    """A new connection's place in its origin's queue (``connect_admission``): taken before it is opened, left once
+    it is probed (`leave`, whatever happened). ``waits``: it was not admitted at once; the driver then waits on
+    ``turn`` (made in the driver's own thread or event loop) until `admitted`, bounded by its connect timeout, and
+    reports `waited`, or `timeout_message` for its own ConnectTimeout class."""
+
+    __slots__ = ("_probes", "_started", "_stats", "_ticket", "turn", "waits")
+
+    def __init__(self, probes: OriginProbes, stats: GuardStats, turn: TurnT) -> None:
+        self._probes = probes
+        self._stats = stats
+        self.turn = turn
+        self._ticket = probes.take_ticket(turn)
+        self.waits = not probes.admit(self._ticket)
+        self._started = time.monotonic()
+
+    @classmethod
+    def of(cls, run: Any, turn: Callable[[], TurnT]) -> Admission[TurnT] | None:
+        """The admission of ``run``'s new connection, or None when its origin lets connections open freely now;
+        ``turn`` makes the waiter's `Turn` (called only when needed)."""
+        probes: OriginProbes = run.origin_probes
+        if not probes.admission_needed(run.policy):
+            return None
+        return cls(probes, run.stats, turn())
+
+    def admitted(self) -> bool:
+        """Whether its turn has come (asked again after each wake-up of ``turn``)."""
+        return self._probes.admit(self._ticket)
+
+    def waited(self) -> None:
+        self._stats.record_admission_wait(time.monotonic() - self._started)
+
+    def timeout_message(self, bound: float | None) -> str:
+        return (
+            f"waited {bound:g} s (the connect timeout) for the other new connections to {self._probes.origin} to be "
+            "probed first (connect_admission)"
+        )
+
+    def leave(self) -> None:
+        """Give the place up: the connection is probed, failed, or was cancelled; wakes the next one in the queue."""
+        self._probes.leave(self._ticket)

@@ -20,12 +20,12 @@ are its own, unwrapped (an https connection only until its TLS handshake).
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any
 
 import httpcore2 as httpcore
 
 from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
+from .._core.origin_probes import Admission
 from .._core.turns import ThreadTurn
 from .attempts import AttemptBody
 from .internals import (
@@ -160,7 +160,7 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         https = run.request.url.scheme == "https"
         # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
         # probe comes after httpcore's TLS handshake, outside this call.
-        ticket = self._admission(run, timeout) if probing and not https else None
+        admission = _admission(run, timeout) if probing and not https else None
         try:
             stream: httpcore.NetworkStream = connect()
             if https:
@@ -170,39 +170,31 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
             if probing:
                 run.probe(stream)  # raises if the probe fails (the stream is then the probe's to close)
         finally:
-            if ticket is not None:
-                run.origin_probes.leave(ticket)
+            if admission is not None:
+                admission.leave()
         run.connected()
         return stream
 
-    def _admission(self, run: GuardedRequest, timeout: float | None) -> int | None:
-        """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the ticket to
-        hand back (`OriginProbes.leave`) once it is probed, or None. The wait is part of the connect: the caller's
-        connect ``timeout`` bounds it."""
-        probes = run.origin_probes
-        if not probes.admission_needed(run.policy):
-            return None
-        # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop
-        # that runs: the turn is made here, in the waiter's own, and woken thread-safely (_core/turns.py).
-        turn = ThreadTurn()
-        ticket = probes.take_ticket(turn)
-        if probes.admit(ticket):
-            return ticket
-        started = time.monotonic()
-        try:
-            if not turn.wait_until(functools.partial(probes.admit, ticket), timeout):
-                raise httpcore.ConnectTimeout(
-                    f"waited {timeout:g} s (the connect timeout) for the other new connections to "
-                    f"{probes.origin} to be probed first (connect_admission)"
-                )
-        except BaseException:  # timed out or cancelled while waiting: give the place up
-            probes.leave(ticket)
-            raise
-        run.stats.record_admission_wait(time.monotonic() - started)
-        return ticket
-
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
+
+
+def _admission(run: GuardedRequest, timeout: float | None) -> Admission[ThreadTurn] | None:
+    """This connection's place in its origin's queue, once its turn has come (`Admission`), or None when the origin
+    lets connections open freely now. The wait is part of the connect: the caller's connect ``timeout`` bounds it."""
+    # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop that
+    # runs: the turn is made here, in the waiter's own, and woken thread-safely (_core/turns.py).
+    admission = Admission.of(run, ThreadTurn)
+    if admission is None or not admission.waits:
+        return admission
+    try:
+        if not admission.turn.wait_until(admission.admitted, timeout):
+            raise httpcore.ConnectTimeout(admission.timeout_message(timeout))
+    except BaseException:  # timed out or cancelled while waiting: give the place up
+        admission.leave()
+        raise
+    admission.waited()
+    return admission
 
 
 class _SyncAfterTls(httpcore.NetworkStream):
