@@ -203,9 +203,10 @@ def make_driver(
         from ._requests_driver import make_requests_driver
 
         assert flavor == "sync", "the requests flavour is sync only"
-        assert preopened is None, "the requests flavour takes no pre-opened sockets"
         maxsize = limits.max_connections if limits is not None and limits.max_connections else 4
-        return make_requests_driver(guarded=guarded, base_url=base_url, policy=policy, maxsize=maxsize, timeout=timeout)
+        return make_requests_driver(
+            guarded=guarded, base_url=base_url, policy=policy, maxsize=maxsize, timeout=timeout, preopened=preopened
+        )
     if library != "httpx":
         return _make_other_driver(
             flavor, guarded=guarded, base_url=base_url, policy=policy, limits=limits, timeout=timeout, name=library

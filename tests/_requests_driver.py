@@ -10,11 +10,14 @@ body as a ``ChunkedEncodingError``, and a read timeout in the body as a ``Connec
 from __future__ import annotations
 
 import contextlib
+import socket
 from types import SimpleNamespace
 from typing import Any
 
 import requests
 import requests.adapters
+from urllib3.connection import HTTPConnection
+from urllib3.connectionpool import HTTPConnectionPool
 from urllib3.util.wait import wait_for_read
 
 import llama_guard
@@ -101,19 +104,44 @@ def make_requests_driver(
     policy: llama_guard.GuardPolicy | None = None,
     maxsize: int = 4,
     timeout: float = 10.0,
+    preopened: list[socket.socket] | None = None,
 ) -> RequestsDriver:
-    """A plain or guarded `requests.Session` whose pools keep up to ``maxsize`` connections per origin."""
+    """A plain or guarded `requests.Session` whose pools keep up to ``maxsize`` connections per origin; with
+    ``preopened`` sockets, its first new connections are those (a burst, see `llama_guard.testing.open_burst`)."""
     session = requests.Session()
     adapter: requests.adapters.HTTPAdapter
     if guarded:
         adapter = guard_requests.GuardAdapter(pool_connections=4, pool_maxsize=maxsize, policy=policy)
     else:
         adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=maxsize)
+    if preopened is not None:
+        adapter.poolmanager.pool_classes_by_scheme = {
+            **adapter.poolmanager.pool_classes_by_scheme,
+            "http": _preopened_pool(list(preopened)),
+        }
     session.mount("http://", adapter)
     session.mount("https://", adapter)
     driver = RequestsDriver("sync", guarded, SessionClient(session, base_url, adapter), library="requests")
     driver.timeout = timeout
     return driver
+
+
+def _preopened_pool(sockets: list[socket.socket]) -> type[HTTPConnectionPool]:
+    """A pool class whose new connections are made of ``sockets`` while it has any (test-only: urllib3's
+    ``HTTPConnection._new_conn``, the step that connects a socket)."""
+
+    class PreopenedConnection(HTTPConnection):
+        def _new_conn(self) -> socket.socket:
+            if not sockets:
+                return super()._new_conn()
+            sock = sockets.pop(0)
+            sock.settimeout(self.timeout if isinstance(self.timeout, (int, float)) else None)
+            return sock
+
+    class PreopenedPool(HTTPConnectionPool):
+        ConnectionCls = PreopenedConnection
+
+    return PreopenedPool
 
 
 def _pools_of(adapter: requests.adapters.HTTPAdapter) -> list[Any]:
