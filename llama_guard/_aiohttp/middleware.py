@@ -192,10 +192,11 @@ class GuardMiddleware:
             else:
                 outcome = await self._answered(run, first)
             # Attempts after the first, paced and bounded by the retry schedule; most requests never need them.
-            schedule = RetrySchedule(run)
-            while (delay := schedule.next_delay()) is not None:
-                await asyncio.sleep(delay)
-                outcome = await self._attempt(run, handler)
+            if run.may_retry:
+                schedule = RetrySchedule(run)
+                while (delay := schedule.next_delay()) is not None:
+                    await asyncio.sleep(delay)
+                    outcome = await self._attempt(run, handler)
             if isinstance(outcome, Exception):
                 if run.verdict is not None:  # judged: the guard gives up, and says why
                     raise run.final_error(outcome) from outcome

@@ -299,10 +299,11 @@ class GuardTransport(httpx.BaseTransport):
             else:
                 outcome = self._attempt_answered(run, first)
             # Attempts after the first, paced and bounded by the retry schedule; most requests never need them.
-            schedule = RetrySchedule(run)
-            while (delay := schedule.next_delay()) is not None:
-                time.sleep(delay)
-                outcome = self._attempt(run)
+            if run.may_retry:
+                schedule = RetrySchedule(run)
+                while (delay := schedule.next_delay()) is not None:
+                    time.sleep(delay)
+                    outcome = self._attempt(run)
             if isinstance(outcome, Exception):
                 if isinstance(outcome, httpx.TransportError):
                     raise run.final_error(outcome) from outcome
