@@ -20,27 +20,11 @@ from typing import Any, NoReturn
 
 import aiohttp
 
+from .._core import probe_machine
 from .._core.late_answers import GivenUpWatches
 from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.origin_probes import Admission
 from .._core.origins import Origin
-from .._core.probe_machine import (
-    Abort,
-    Broken,
-    Cancelled,
-    Kick,
-    Kicked,
-    ProbeEvent,
-    ProbeMachine,
-    ProbeState,
-    Read,
-    Received,
-    Start,
-    TimedOut,
-    Usable,
-    Write,
-    Written,
-)
 from .._core.turns import AsyncTurn
 from .attempts import AiohttpRequest, current_run
 from .exceptions import ProbeError, ProbeTimeout, probe_error
@@ -52,7 +36,7 @@ __all__ = ["KEEPALIVE_TIMEOUT", "GuardConnector", "ProbingHooks"]
 KEEPALIVE_TIMEOUT = CLIENT_KEEPALIVE
 
 
-async def _kick(kick: Kick) -> BaseException | None:
+async def _kick(kick: probe_machine.Kick) -> BaseException | None:
     """Open one TCP connection and close it at once, writing nothing (`probe_machine.Kick`); the failure if any."""
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(kick.host, kick.port), kick.timeout)
@@ -130,30 +114,30 @@ class ProbingHooks(ConnectionHooks):
         reader = _ProbeReader()
         transport.set_protocol(reader)
         host = run.aiohttp_request.url.host or run.origin.host
-        machine = ProbeMachine(run, socket=transport.get_extra_info("socket"), kick_host=host)
-        action = machine.next(Start())
-        while not isinstance(action, Usable):
-            if isinstance(action, Abort):
+        machine = probe_machine.ProbeMachine(run, socket=transport.get_extra_info("socket"), kick_host=host)
+        action = machine.next(probe_machine.Start())
+        while not isinstance(action, probe_machine.Usable):
+            if isinstance(action, probe_machine.Abort):
                 _discard(transport, protocol)
                 self._aborted(action, run)
-            event: ProbeEvent
+            event: probe_machine.ProbeEvent
             try:
-                if isinstance(action, Write):
+                if isinstance(action, probe_machine.Write):
                     transport.write(action.data)  # buffered by asyncio: the read below waits for the answer
-                    event = Written()
-                elif isinstance(action, Read):
+                    event = probe_machine.Written()
+                elif isinstance(action, probe_machine.Read):
                     event = await reader.next_event(action.timeout)
                 else:
-                    event = Kicked(await _kick(action))
+                    event = probe_machine.Kicked(await _kick(action))
             except BaseException:
-                if machine.state is not ProbeState.DONE:
-                    machine.next(Cancelled())
+                if machine.state is not probe_machine.ProbeState.DONE:
+                    machine.next(probe_machine.Cancelled())
                 _discard(transport, protocol)
                 raise
             action = machine.next(event)
         transport.set_protocol(protocol)
 
-    def _aborted(self, abort: Abort, run: AiohttpRequest) -> NoReturn:
+    def _aborted(self, abort: probe_machine.Abort, run: AiohttpRequest) -> NoReturn:
         """A probe failed (its connection discarded): keep its late-answer watch, and fail the connect."""
         if abort.watch is not None:
             self.given_up.add(abort.watch)
@@ -196,7 +180,7 @@ class _ProbeReader(asyncio.Protocol):
         self._error: Exception | None = None
         self._arrived: asyncio.Future[None] | None = None
 
-    async def next_event(self, timeout: float) -> ProbeEvent:
+    async def next_event(self, timeout: float) -> probe_machine.ProbeEvent:
         """What arrived (waiting up to ``timeout`` seconds for something): bytes, the end, an error, or nothing."""
         if not (self._data or self._closed):
             self._arrived = asyncio.get_running_loop().create_future()
@@ -204,10 +188,10 @@ class _ProbeReader(asyncio.Protocol):
             self._arrived = None
         if self._data:
             data, self._data = bytes(self._data), bytearray()
-            return Received(data)
+            return probe_machine.Received(data)
         if self._error is not None:
-            return Broken(self._error)
-        return Received(b"") if self._closed else TimedOut()
+            return probe_machine.Broken(self._error)
+        return probe_machine.Received(b"") if self._closed else probe_machine.TimedOut()
 
     def _wake(self) -> None:
         if self._arrived is not None and not self._arrived.done():

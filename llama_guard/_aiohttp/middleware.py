@@ -22,7 +22,7 @@ import aiohttp
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is, is_streaming_response
 from .._core.llama_server import RETRIED_STATUSES
-from .._core.origin_stats import Accounts
+from .._core.origin_stats import CountsPerOrigin
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.result import GuardResult, new_result
@@ -69,7 +69,7 @@ def guard_result(response: aiohttp.ClientResponse) -> GuardResult | None:
     return _RESULTS.get(response)
 
 
-class GuardMiddleware:
+class GuardMiddleware(CountsPerOrigin):
     """An aiohttp client middleware that makes a session safe against llama-server (see `GuardPolicy`).
 
     Requests to llama-server origins get the guard's retries, stream handling and first-byte deadline; every other
@@ -77,6 +77,8 @@ class GuardMiddleware:
     `GuardConnector` (or hooked by `guard_session`). Counters are in ``stats``; each response's account in
     `guard_result(response)`.
     """
+
+    STACK = STACK  # the stack's name in the counts per origin
 
     def __init__(
         self,
@@ -97,19 +99,6 @@ class GuardMiddleware:
         self.stats = stats if stats is not None else GuardStats()
         self.origins = origins if origins is not None else OriginRegistry(self.policy.origins)
         self._strategies = Strategies(self.policy.connection, self.stats)
-
-    @property
-    def stats(self) -> GuardStats:
-        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
-        return self._stats
-
-    @stats.setter
-    def stats(self, stats: GuardStats) -> None:
-        self._stats = stats
-        self._accounts = Accounts(stats, STACK)  # each origin's account in the stats
-        strategies = getattr(self, "_strategies", None)
-        if strategies is not None:
-            strategies.stats = stats
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.policy!r}>"

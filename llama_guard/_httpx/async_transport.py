@@ -13,33 +13,17 @@ import anyio
 import httpcore
 import httpx
 
+from .._core import probe_machine
 from .._core.connection_strategy import Strategies
 from .._core.decisions import first_attempt_goes_as_is
 from .._core.late_answers import GivenUpWatches
 from .._core.llama_server import RETRIED_STATUSES
 from .._core.log import STALL_LOG, WARN_ONCE, logger
 from .._core.origin_probes import PROBE_BOOK
-from .._core.origin_stats import Accounts
+from .._core.origin_stats import CountsPerOrigin
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
-from .._core.probe_machine import (
-    READ_SIZE,
-    Abort,
-    Broken,
-    Cancelled,
-    Kick,
-    Kicked,
-    ProbeEvent,
-    ProbeMachine,
-    Read,
-    Received,
-    Start,
-    TimedOut,
-    Usable,
-    Write,
-    Written,
-)
 from .._core.request_state import MAX_RETRIED_ERROR_BODY
 from .._core.result import EXTENSION, new_result
 from .._core.retry_schedule import RetrySchedule
@@ -73,7 +57,7 @@ STACK = httpx.__name__
 _KICK_BACKEND = httpcore.AnyIOBackend()
 
 
-async def _kick(kick: Kick) -> BaseException | None:
+async def _kick(kick: probe_machine.Kick) -> BaseException | None:
     """Open one TCP connection and close it at once, writing nothing (`probe_machine.Kick`); the failure if any."""
     try:
         stream = await _KICK_BACKEND.connect_tcp(kick.host, kick.port, timeout=kick.timeout)
@@ -83,7 +67,7 @@ async def _kick(kick: Kick) -> BaseException | None:
     return None
 
 
-class AsyncGuardTransport(httpx.AsyncBaseTransport):
+class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
     """An httpx async transport that makes a pooled client safe against llama-server.
 
     Wraps ``transport`` (default: a new `httpx.AsyncHTTPTransport` whose keep-alive expiry is below
@@ -92,6 +76,8 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
     ``request.extensions["llama_guard"]`` (a dict of `GuardPolicy` fields); the guard's account comes back in
     ``response.extensions["llama_guard"]`` (a `GuardResult`). Counters are in ``stats``.
     """
+
+    STACK = STACK  # the stack's name in the counts per origin
 
     def __init__(
         self,
@@ -154,19 +140,6 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
         self._reports_trace_events: bool | None = None
-
-    @property
-    def stats(self) -> GuardStats:
-        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
-        return self._stats
-
-    @stats.setter
-    def stats(self, stats: GuardStats) -> None:
-        self._stats = stats
-        self._accounts = Accounts(stats, STACK)  # each origin's account in the stats
-        strategies = getattr(self, "_strategies", None)
-        if strategies is not None:
-            strategies.stats = stats
 
     @property
     def policy(self) -> GuardPolicy:
@@ -401,32 +374,32 @@ class AsyncGuardTransport(httpx.AsyncBaseTransport):
             # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
             run.probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
             return
-        machine = ProbeMachine(run, socket=stream.get_extra_info("socket"))
-        action = machine.next(Start())
-        while not isinstance(action, Usable):
-            if isinstance(action, Abort):
+        machine = probe_machine.ProbeMachine(run, socket=stream.get_extra_info("socket"))
+        action = machine.next(probe_machine.Start())
+        while not isinstance(action, probe_machine.Usable):
+            if isinstance(action, probe_machine.Abort):
                 await stream.aclose()
                 self._aborted(action, run)
-            event: ProbeEvent
+            event: probe_machine.ProbeEvent
             try:
-                if isinstance(action, Write):
+                if isinstance(action, probe_machine.Write):
                     await stream.write(action.data, timeout=action.timeout)
-                    event = Written()
-                elif isinstance(action, Read):
-                    event = Received(await stream.read(READ_SIZE, timeout=action.timeout))
+                    event = probe_machine.Written()
+                elif isinstance(action, probe_machine.Read):
+                    event = probe_machine.Received(await stream.read(probe_machine.READ_SIZE, timeout=action.timeout))
                 else:
-                    event = Kicked(await _kick(action))
+                    event = probe_machine.Kicked(await _kick(action))
             except httpcore.TimeoutException:
-                event = TimedOut()
+                event = probe_machine.TimedOut()
             except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-                event = Broken(exc)
+                event = probe_machine.Broken(exc)
             except BaseException:
-                machine.next(Cancelled())
+                machine.next(probe_machine.Cancelled())
                 await stream.aclose()
                 raise
             action = machine.next(event)
 
-    def _aborted(self, abort: Abort, run: RequestRun) -> NoReturn:
+    def _aborted(self, abort: probe_machine.Abort, run: RequestRun) -> NoReturn:
         """A probe failed (its stream closed): keep its late-answer watch, and fail the connect."""
         if abort.watch is not None:
             self._given_up.add(abort.watch)
