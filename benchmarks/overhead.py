@@ -53,12 +53,13 @@ When guard/bare is above the target (1.03) the guard's hot path is profiled (or 
 
 The aiohttp row (``llama_guard.aiohttp``): `guarded_session()` (middleware and `GuardConnector`) against a bare
 ``aiohttp.ClientSession`` (with its own ``TCPConnector``), same server, same requests, same blocks; it has no
-httpx-retries column.
+httpx-retries column. The requests row (``llama_guard.requests``): a ``requests.Session`` with a mounted
+``GuardAdapter`` (keep-alive strategy) against a bare ``requests.Session``, likewise.
 
 Usage::
 
     python benchmarks/overhead.py                       # 1,200 blocks of 20 requests per variant and client kind
-    python benchmarks/overhead.py --only aiohttp        # one client kind alone (sync, asyncio or aiohttp)
+    python benchmarks/overhead.py --only aiohttp        # one client kind alone (sync, asyncio, aiohttp, requests)
     python benchmarks/overhead.py --blocks 3000 --profile
     python benchmarks/overhead.py --instructions        # the repeatable counts alone (about 4 minutes)
     python benchmarks/overhead.py --large-bodies-only   # the large-body rows alone (about a minute)
@@ -262,6 +263,39 @@ async def measure_aiohttp(url: str, rounds: int, requests: int, warmup: int) -> 
             await session.close()
 
 
+def run_requests(session: Any, url: str, n: int) -> tuple[float, float]:
+    gc.collect()
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        response = session.post(url, json=BODY)
+        if response.status_code != 200:
+            raise RuntimeError(f"unexpected status {response.status_code}")
+    return (time.perf_counter() - started) / n, (time.thread_time() - cpu_started) / n
+
+
+def measure_requests(url: str, rounds: int, requests: int, warmup: int) -> Measured:
+    """Interleaved rounds (blocks) of a bare `requests.Session` and one with a mounted
+    `llama_guard.requests.GuardAdapter` (the keep-alive strategy, as the httpx rows)."""
+    import requests as requests_library
+
+    from llama_guard.requests import GuardAdapter
+
+    sessions = {v: requests_library.Session() for v in AIOHTTP_VARIANTS}
+    sessions["guard"].mount("http://", GuardAdapter(policy=REUSE))
+    target = url + PATH
+    try:
+        for session in sessions.values():
+            run_requests(session, target, warmup)
+        results = Measured.empty(AIOHTTP_VARIANTS)
+        for r in range(rounds):
+            for variant in rotated(AIOHTTP_VARIANTS, r):
+                results.add(variant, run_requests(sessions[variant], target, requests))
+        return results
+    finally:
+        for session in sessions.values():
+            session.close()
+
+
 async def run_async(client: httpx.AsyncClient, n: int) -> tuple[float, float]:
     gc.collect()
     started, cpu_started = time.perf_counter(), time.thread_time()
@@ -351,7 +385,7 @@ def summary_table(by_kind: dict[str, Measured]) -> str:
     rows = []
     for kind, measured in by_kind.items():
         for metric, results in (("wall", measured.wall), ("client CPU", measured.cpu)):
-            retries = "httpx-retries" in results  # not for aiohttp
+            retries = "httpx-retries" in results  # not for aiohttp or requests
             rows.append(
                 [
                     kind,
@@ -933,9 +967,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--large-blocks", type=int, default=40, help="blocks for the large-body rows (default 40)")
     parser.add_argument(
         "--only",
-        choices=("sync", "asyncio", "aiohttp"),
+        choices=("sync", "asyncio", "aiohttp", "requests"),
         action="append",
-        help="measure only this client kind (repeatable; default: all three)",
+        help="measure only this client kind (repeatable; default: all four)",
     )
     instructions = parser.add_mutually_exclusive_group()
     instructions.add_argument(
@@ -976,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
         f"httpx {httpx.__version__}, llama_guard {llama_guard.__version__}; {args.blocks} interleaved blocks x "
         f"{args.block} requests per variant, {args.warmup} warm-up; keep-alive server in its own process"
     )
-    only = set(args.only or ("sync", "asyncio", "aiohttp"))
+    only = set(args.only or ("sync", "asyncio", "aiohttp", "requests"))
     with keepalive_server() as url:
         by_kind: dict[str, Measured] = {}
         if "sync" in only:
@@ -987,6 +1021,8 @@ def main(argv: list[str] | None = None) -> int:
             by_kind["asyncio aiohttp.ClientSession"] = asyncio.run(
                 measure_aiohttp(url, args.blocks, args.block, args.warmup)
             )
+        if "requests" in only:
+            by_kind["sync requests.Session"] = measure_requests(url, args.blocks, args.block, args.warmup)
         print()
         print(
             "Per-request cost, median of blocks; ratios are medians of per-block ratios with a 95% confidence "

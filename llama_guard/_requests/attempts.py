@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import socket
-from typing import Any
+from typing import Any, Protocol
 
 from .._core.connection_strategy import REUSE_UNDECIDED, ConnectionChoice
 from .._core.decisions import FailureKind, ProgressTracker
@@ -20,7 +20,7 @@ from .._core.request_state import MAX_SOCKET_WAIT, RequestState
 from .._core.stats import GuardStats
 from .exceptions import Urllib3FirstByteTimeout, error_text, failure_kind, guarded_urllib3_error
 
-__all__ = ["CURRENT_RUN", "RequestView", "Url", "Urllib3Run", "caller_read_timeout"]
+__all__ = ["CURRENT_RUN", "GuardedAttempt", "RequestView", "Url", "Urllib3Run", "caller_read_timeout"]
 
 
 class Url:
@@ -102,6 +102,10 @@ class Urllib3Run(RequestState):
         )
         self.guard = guard
 
+    def guarded_run(self) -> Urllib3Run:
+        """This run (as a first attempt sent as is builds it, for the connection hook)."""
+        return self
+
     @property
     def host_header(self) -> str:
         headers = self.request.headers
@@ -157,4 +161,12 @@ class Urllib3Run(RequestState):
 # The guarded request whose attempt runs in this thread (or task), for the connection hook (connections.py): set by
 # the guard around each call of urllib3's urlopen, inside which a new connection connects. Also tells the guard
 # that a urlopen called inside an attempt (urllib3's own redirect) is part of it.
-CURRENT_RUN: contextvars.ContextVar[Urllib3Run | None] = contextvars.ContextVar("llama_guard_urllib3_run", default=None)
+class GuardedAttempt(Protocol):
+    """A `Urllib3Run`, or the guard's first attempt that builds one when asked (``pool_guard._FirstAttempt``)."""
+
+    def guarded_run(self) -> Urllib3Run: ...
+
+
+CURRENT_RUN: contextvars.ContextVar[GuardedAttempt | None] = contextvars.ContextVar(
+    "llama_guard_urllib3_run", default=None
+)

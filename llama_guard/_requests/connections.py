@@ -48,10 +48,13 @@ class GuardedConnection:
     to the guarded attempt it runs for and, when that request probes, followed by the probe."""
 
     def connect(self) -> None:
-        run = CURRENT_RUN.get()
-        if run is None:
+        current = CURRENT_RUN.get()
+        if current is None:
             super().connect()  # type: ignore[misc]
             return
+        run = current.guarded_run()  # built now if the request had none yet (its first attempt, sent as is)
+        if run.attempts == 0:
+            run.begin_attempt()
         _connect(self, run, super().connect)  # type: ignore[misc]
 
 

@@ -29,14 +29,15 @@ from urllib3.response import BaseHTTPResponse, HTTPResponse
 from urllib3.util.retry import Retry
 from urllib3.util.timeout import Timeout
 
-from .._core.connection_strategy import Strategies
-from .._core.decisions import is_streaming_response, wants_stream
+from .._core.connection_strategy import ConnectionChoice, Strategies
+from .._core.decisions import first_attempt_goes_as_is, is_streaming_response, wants_stream
 from .._core.late_answers import GivenUpWatches
 from .._core.log import STALL_LOG
 from .._core.origin_probes import PROBE_BOOK
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
-from .._core.result import GuardResult
+from .._core.request_state import RETRIED_STATUSES
+from .._core.result import GuardResult, new_result
 from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats
 from .attempts import CURRENT_RUN, RequestView, Url, Urllib3Run, caller_read_timeout
@@ -124,6 +125,7 @@ class PoolGuard:
         self.given_up = GivenUpWatches()  # connections whose probe was given up, watched for a late answer
         self.unprobeable: set[Origin] = set()  # origins that close a probed connection: probing them cannot work
         self._accounts: dict[Origin, GuardStats] = {}
+        self._last_retries: tuple[Any, bool, Any] | None = None  # (caller's Retry, redirect, what attempts get)
         self._pools: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
 
@@ -133,6 +135,9 @@ class PoolGuard:
         """Put the guard on ``pool`` (once): its new connections' class, its ``_put_conn`` (a llama stream's
         connection is closed, never pooled) and, for an explicit guard, its ``urlopen`` (`install()` wraps the
         class's instead). An explicit guard takes a pool over from `install()`'s, never the other way round."""
+        hook = pool.__dict__.get(_HOOK_ATTRIBUTE)
+        if hook is not None and hook.guard is self:
+            return
         with self._lock:
             current = pool_guard_of(pool)
             if current is self:
@@ -212,32 +217,34 @@ class PoolGuard:
         elif content is None:
             content = b""
         stream = method == "POST" and content is not None and wants_stream(content)
-        timeout = pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT))
-        headers = call.get("headers")
-        if headers is None:
-            headers = pool.headers
-        path = str(call["url"]).partition("?")[0]
-        view = RequestView(method, Url(pool.scheme, pool.host, pool.port, path), headers, caller_read_timeout(timeout))
         connection = self.strategies.choice(pool.scheme, pool.host, pool.port, origin, policy.connection)
-        run = Urllib3Run(
-            view,
-            origin,
-            policy,
-            self.account(origin),
-            self,
-            body=content,
-            stream=stream,
-            started=started,
-            book=PROBE_BOOK,
-            connection=connection,
-        )
-        attempt = _Attempt(pool, original, call, run, timeout, headers)
+        first = _FirstAttempt(self, pool, original, call, method, origin, policy, content, stream, started, connection)
+        outcome: BaseHTTPResponse | BaseException | None = None
+        closes = connection.strategy == "close" or (stream and policy.stream_mode == "close")
+        if first_attempt_goes_as_is(
+            content,
+            has_overrides=overrides is not None,
+            adds_deadline=policy.first_byte_timeout is not None,
+            closes_connection=closes,
+        ):
+            # The usual request: its first attempt goes out as the caller's call (urllib3's retries taken out), with
+            # no `Urllib3Run` unless something needs one (a new connection to probe, a failure, a 503/429).
+            outcome = first.send_as_is()
+            if first.run is None:
+                assert isinstance(outcome, BaseHTTPResponse)
+                return self._answered_at_once(first, outcome)
+        run = first.guarded_run()
+        attempt = _Attempt(first, run)
         try:
-            outcome = attempt.send()
-            schedule = RetrySchedule(run)
-            while (delay := schedule.next_delay()) is not None:
-                time.sleep(delay)
+            if outcome is None:
                 outcome = attempt.send()
+            elif isinstance(outcome, BaseHTTPResponse):
+                outcome = attempt.judged(outcome)
+            if isinstance(outcome, BaseException) or run.may_retry:  # the usual answer needs no schedule
+                schedule = RetrySchedule(run)
+                while (delay := schedule.next_delay()) is not None:
+                    time.sleep(delay)
+                    outcome = attempt.send()
             if isinstance(outcome, BaseException):
                 raise run.final_error(outcome) from outcome
             response = outcome
@@ -245,13 +252,40 @@ class PoolGuard:
             if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
                 closing = _drop_after_stream(response, run.stats)
             setattr(response, RESULT_ATTRIBUTE, run.result(closing))
-            if call.get("preload_content", True):
-                # urllib3 reads a preloaded body in urlopen; each attempt left it unread (the guard judges the
-                # headers first), so it is read here, and the connection goes back to the pool at its end.
-                response.read(decode_content=call.get("decode_content", True), cache_content=True)
-            return response
+            return _preloaded(response, first)
         finally:
             run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
+
+    def _answered_at_once(self, first: _FirstAttempt, response: BaseHTTPResponse) -> BaseHTTPResponse:
+        """A first attempt answered on a pooled connection: its result and counters, with no `Urllib3Run`."""
+        stats = first.stats
+        closing = (
+            first.policy.stream_mode != "off"
+            and is_streaming_response(response.headers)
+            and _drop_after_stream(response, stats)
+        )
+        first_byte = time.monotonic() - first.started
+        connection = first.connection
+        if not connection.final:
+            pool = first.pool
+            self.strategies.answered(pool.scheme, pool.host, pool.port, first_byte)
+        setattr(
+            response, RESULT_ATTRIBUTE, new_result((1, 0, first_byte, first.stream, closing, (), connection.strategy))
+        )
+        stats.record_request(1, first_byte, False)
+        return _preloaded(response, first)
+
+    def single_send(self, call: dict[str, Any], pool: Any) -> Any:
+        """`_single_send` of the call's retries, remembered for the last ``Retry`` object seen (requests passes its
+        adapter's own on every call: building a Retry costs as much as the rest of the guard's work)."""
+        retries, redirect = call.get("retries"), call.get("redirect", True)
+        cached = self._last_retries
+        if cached is not None and cached[0] is retries and cached[1] == redirect and retries is not None:
+            return cached[2]
+        derived = _single_send(retries, redirect, pool.retries)
+        if isinstance(retries, Retry):
+            self._last_retries = (retries, redirect, derived)
+        return derived
 
     def _pass_through(
         self, pool: Any, original: Any, origin: Origin, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -270,28 +304,136 @@ class PoolGuard:
         return response
 
 
-class _Attempt:
-    """The attempts of one guarded request: each one call of the pool's own ``urlopen``, judged into the run."""
+class _FirstAttempt:
+    """A guarded call, and its first attempt while the request has needed nothing but its body.
 
-    __slots__ = ("call", "original", "pool", "run", "timeout")
+    Most requests are answered by their first attempt on a pooled connection and need no `Urllib3Run`: for them
+    the guard builds none (it would be most of its work per request). This keeps what a run is built from, and
+    builds it when something needs one (`guarded_run`): the connection hook, for a new connection to probe, or the
+    guard, when the attempt fails or is answered 503/429. The run then carries on as if it had been there from the
+    start, with this as its first attempt. Only for a first attempt that goes out as the caller made it (a
+    replayable body, no per-request options, no first-byte deadline, no ``Connection: close`` to add).
+    """
 
-    def __init__(self, pool: Any, original: Any, call: dict[str, Any], run: Urllib3Run, timeout: Any, headers: Any):
-        self.pool = pool
-        self.original = original
-        self.run = run
-        self.timeout = timeout
+    __slots__ = (
+        "call",
+        "connection",
+        "content",
+        "decode",
+        "guard",
+        "method",
+        "origin",
+        "original",
+        "policy",
+        "pool",
+        "preload",
+        "run",
+        "started",
+        "stats",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        guard: PoolGuard,
+        pool: Any,
+        original: Any,
+        call: dict[str, Any],
+        method: str,
+        origin: Origin,
+        policy: GuardPolicy,
+        content: bytes | None,
+        stream: bool,
+        started: float,
+        connection: ConnectionChoice,
+    ) -> None:
+        self.guard, self.pool, self.original, self.method, self.origin = guard, pool, original, method, origin
+        self.policy, self.content, self.stream, self.started = policy, content, stream, started
+        self.connection = connection
+        self.preload = call.get("preload_content", True)
+        self.decode = call.get("decode_content", True)
+        self.stats = guard.account(origin)
+        self.run: Urllib3Run | None = None
         # What every attempt sends: the caller's call, with urllib3's own retries taken out (the guard's loop
-        # replaces them, see the module's doc), the body left unread (the guard judges the headers first), and
-        # Connection: close when the strategy or the stream asks for it (on a copy: the caller's headers stay).
+        # replaces them, see the module's doc), and the body left unread (the guard judges the headers first).
         attempt = dict(call)
-        attempt["retries"] = _single_send(call.get("retries"), call.get("redirect", True), pool.retries)
+        attempt["retries"] = guard.single_send(call, pool)
         attempt["preload_content"] = False
         attempt["release_conn"] = False
-        if run.close_connection:
+        self.call = attempt
+
+    def guarded_run(self) -> Urllib3Run:
+        run = self.run
+        if run is None:
+            call, pool, policy = self.call, self.pool, self.policy
+            headers = call.get("headers")
+            read = None
+            if policy.first_byte_timeout is not None:  # the caller's read timeout matters to the deadline alone
+                read = caller_read_timeout(pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT)))
+            path = str(call["url"]).partition("?")[0]
+            view = RequestView(
+                self.method,
+                Url(pool.scheme, pool.host, pool.port, path),
+                headers if headers is not None else pool.headers,
+                read,
+            )
+            run = self.run = Urllib3Run(
+                view,
+                self.origin,
+                policy,
+                self.stats,
+                self.guard,
+                body=self.content,
+                stream=self.stream,
+                started=self.started,
+                book=PROBE_BOOK,
+                connection=self.connection,
+            )
+        return run
+
+    def send_as_is(self) -> BaseHTTPResponse | BaseException:
+        """The first attempt, as the caller's call: the response, or the failure (judged: a run is built then)."""
+        token = CURRENT_RUN.set(self)
+        try:
+            response: BaseHTTPResponse = self.original(**self.call)
+        except Exception as exc:
+            run = self.guarded_run()
+            if run.attempts == 0:  # built here, not by the connection hook: this attempt, counted
+                run.begin_attempt()
+            error = run.attempt_failed(exc)
+            if error is None:
+                raise
+            return error
+        finally:
+            CURRENT_RUN.reset(token)
+        if response.status in RETRIED_STATUSES:
+            run = self.guarded_run()
+            if run.attempts == 0:
+                run.begin_attempt()
+        return response
+
+
+class _Attempt:
+    """The attempts of a guarded request after its first sent as is (or all of them): each one call of the pool's
+    own ``urlopen``, judged into the run."""
+
+    __slots__ = ("call", "original", "run", "timeout")
+
+    def __init__(self, first: _FirstAttempt, run: Urllib3Run) -> None:
+        self.original = first.original
+        self.run = run
+        call = first.call
+        self.timeout = None
+        if run.policy.first_byte_timeout is not None:
+            self.timeout = first.pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT))
+        if run.close_connection:  # Connection: close on a copy of the headers: the caller's stay as they are
+            headers = call.get("headers")
+            if headers is None:
+                headers = first.pool.headers
             closing = {name: value for name, value in headers.items() if name.lower() != "connection"}
             closing["Connection"] = "close"
-            attempt["headers"] = closing
-        self.call = attempt
+            call = {**call, "headers": closing}
+        self.call = call
 
     def send(self) -> BaseHTTPResponse | BaseException:
         """One attempt: the response (a retriable 503/429 already read whole), or the failure, judged."""
@@ -299,6 +441,7 @@ class _Attempt:
         read = run.begin_attempt()
         call = self.call
         if read is not None:  # the first-byte deadline rides on the read timeout, for the headers
+            assert self.timeout is not None
             call = dict(call)
             call["timeout"] = Timeout(connect=self.timeout.connect_timeout, read=read)
         token = CURRENT_RUN.set(run)
@@ -311,11 +454,24 @@ class _Attempt:
             return error
         finally:
             CURRENT_RUN.reset(token)
-        if run.judge_response(response.status, response.headers):
-            return _read_whole(response)
-        if read is not None:
+        if read is not None and response.status not in RETRIED_STATUSES:
             _restore_read_timeout(response, run.caller_read())
+        return self.judged(response)
+
+    def judged(self, response: BaseHTTPResponse) -> BaseHTTPResponse:
+        """Judge a response's status: a retriable 503/429 is read whole (and replaced by a copy for the caller)."""
+        if self.run.judge_response(response.status, response.headers):
+            return _read_whole(response)
         return response
+
+
+def _preloaded(response: BaseHTTPResponse, first: _FirstAttempt) -> BaseHTTPResponse:
+    """urllib3 reads a preloaded body in urlopen (``preload_content``, its default; requests asks for none); each
+    attempt left it unread (the guard judges the headers first), so it is read here, and the connection goes back to
+    the pool at its end."""
+    if first.preload:
+        response.read(decode_content=first.decode, cache_content=True)
+    return response
 
 
 def _single_send(retries: Any, redirect: bool, default: Retry) -> Any:
