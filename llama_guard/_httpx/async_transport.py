@@ -29,7 +29,7 @@ from .._core.result import EXTENSION, new_result
 from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats
 from .async_connections import track_connections
-from .attempts import FirstAttempt, RequestRun, request_body
+from .attempts import FirstAttempt, RequestRun, request_body, with_connection_close
 from .exceptions import ProbeError, ProbeTimeout
 from .internals import (
     KEEPALIVE_EXPIRY,
@@ -201,10 +201,10 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             body,
             has_overrides=overrides is not None,
             adds_deadline=self._adds_deadline,
-            closes_connection=closes,
+            closes_connection=False,  # a FirstAttempt sends a copy of the request with Connection: close
             hooks_follow=self._hooked,
         ):
-            # The first attempt needs changes to the request (or a one-shot body): a RequestRun from the start.
+            # The first attempt needs per-request state (or a one-shot body): a RequestRun from the start.
             run = RequestRun(
                 request,
                 origin,
@@ -221,15 +221,26 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             )
             return await self._guarded(run)
 
-        # The usual request: its first attempt goes out as it is, with no RequestRun unless something needs one
-        # (FirstAttempt). Most requests are answered here, on a pooled connection.
+        # The usual request: its first attempt goes out with no RequestRun unless something needs one (FirstAttempt).
+        # Most requests are answered here: on a pooled connection (reuse), or on a new one with Connection: close.
         first = FirstAttempt(
-            stats, self._probe_connection, self._book, request, origin, policy, body, stream, started, connection
+            request,
+            origin=origin,
+            policy=policy,
+            stats=stats,
+            prober=self._probe_connection,
+            book=self._book,
+            content=body,
+            wants_stream=stream,
+            started=started,
+            connection=connection,
+            may_close=may_close,
         )
         user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
-        request.stream = first
+        sent = with_connection_close(request, first, request.extensions) if closes else request
+        sent.stream = first
         try:
-            response = await self._transport.handle_async_request(request)
+            response = await self._transport.handle_async_request(sent)
         except Exception as exc:
             request.stream = user_stream
             return await self._guarded(first.guarded_run(), exc)
@@ -246,14 +257,15 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             return await self._guarded(run, response)
         if first.run is not None:  # the connection hooks probed a new connection for this attempt
             first.run.end_attempt()
-        closing = (
+        closing = closes or (
             self._drops_streams and self._is_streaming(response.headers) and self._drop_after_stream(response, stats)
         )
         first_byte = time.monotonic() - started
         if not connection.final:
             self._strategies.answered(url.scheme, url.host, url.port, first_byte)
-        response.extensions[EXTENSION] = new_result((1, 0, first_byte, stream, closing, (), connection.strategy))
-        stats.record_request(1, first_byte, False)
+        result = (1, 0, first_byte, stream, closing, (), connection.strategy)
+        response.extensions[EXTENSION] = new_result(result)
+        stats.record_request(1, first_byte, closes and stream)  # a stream's connection closed by the header
         return response
 
     def _may_close(self, url: httpx.URL) -> bool:

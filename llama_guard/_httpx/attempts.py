@@ -21,7 +21,7 @@ from .._core.request_state import Prober, RequestState
 from .._core.stats import GuardStats
 from .exceptions import FirstByteTimeout, failure_kind, guarded_error
 
-__all__ = ["AttemptBody", "FirstAttempt", "RequestRun", "request_body"]
+__all__ = ["AttemptBody", "FirstAttempt", "RequestRun", "request_body", "with_connection_close"]
 
 
 def request_body(request: httpx.Request) -> tuple[bytes | None, bool]:
@@ -88,13 +88,15 @@ class FirstAttempt(AttemptBody):
     probe, or the transport, when the attempt fails or is answered 503/429. The run then carries on as if it had
     been there from the start, with this as its first attempt in progress.
 
-    Only for a request the first attempt sends as it is: a replayable body, no per-request options, no first-byte
-    deadline, no ``Connection: close`` to add (see the transport).
+    Only for a request whose first attempt needs no per-request state: a replayable body, no per-request options, no
+    first-byte deadline (see the transport). A ``Connection: close`` it needs goes on a copy of the request
+    (`with_connection_close`), never on the caller's.
     """
 
     __slots__ = (
         "_book",
         "_connection",
+        "_may_close",
         "_origin",
         "_policy",
         "_prober",
@@ -106,19 +108,23 @@ class FirstAttempt(AttemptBody):
 
     def __init__(
         self,
+        request: httpx.Request,
+        *,
+        origin: Origin | None,
+        policy: GuardPolicy,
         stats: GuardStats,
         prober: Prober,
         book: ProbeBook,
-        request: httpx.Request,
-        origin: Origin | None,
-        policy: GuardPolicy,
         content: bytes,
         wants_stream: bool,
         started: float,
         connection: ConnectionChoice,
+        may_close: bool,
     ) -> None:
+        """As `RequestRun`'s arguments; ``content``: the request's bytes."""
         self.run = None
         self._connection = connection
+        self._may_close = may_close
         self._content = content
         self._stream = request.stream
         self._stats = stats
@@ -145,9 +151,18 @@ class FirstAttempt(AttemptBody):
                 started=self._started,
                 book=self._book,
                 connection=self._connection,
+                may_close=self._may_close,
             )
             run.adopt_first_attempt(self)
         return run
+
+
+def with_connection_close(request: httpx.Request, body: AttemptBody, extensions: dict[str, Any]) -> httpx.Request:
+    """A copy of ``request`` that carries ``Connection: close`` and sends ``body``: the caller's headers are never
+    changed."""
+    headers = request.headers.copy()
+    headers["Connection"] = "close"
+    return httpx.Request(request.method, request.url, headers=headers, stream=body, extensions=extensions)
 
 
 class _OneChunk:
@@ -217,9 +232,7 @@ class RequestRun(RequestState):
         self.attempt_body = stream = AttemptBody(self, self.body, self.user_stream)
         request: httpx.Request = self.request
         if self.close_connection:
-            headers = request.headers.copy()
-            headers["Connection"] = "close"
-            return httpx.Request(request.method, request.url, headers=headers, stream=stream, extensions=extensions)
+            return with_connection_close(request, stream, extensions)
         if extensions is not self.user_extensions:
             request.extensions = extensions
         request.stream = stream
