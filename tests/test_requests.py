@@ -10,6 +10,10 @@ request left as it was, results and counters, bad input, and the public names.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -518,6 +522,31 @@ def test_guard_session_keeps_the_adapters_settings(racy_server: LlamaServerEmula
 def test_bad_input_says_what_is_accepted(call: Callable[[], Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         call()
+
+
+def test_without_the_extra_llama_guard_requests_names_it_and_the_rest_works() -> None:
+    """requests and urllib3 hidden from a fresh interpreter: install()/uninstall() and guard() on httpx need neither,
+    and importing llama_guard.requests says which extra to install."""
+    script = textwrap.dedent(
+        """
+        import json, sys
+        for name in ("requests", "urllib3"):
+            sys.modules[name] = None
+        import httpx, llama_guard
+        llama_guard.install(origins=["http://127.0.0.1:9"])
+        llama_guard.uninstall()
+        llama_guard.guard(httpx.Client()).close()
+        try:
+            import llama_guard.requests
+        except ModuleNotFoundError as exc:
+            print(json.dumps({"error": str(exc)}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    error = json.loads(done.stdout.strip().splitlines()[-1])["error"]
+    assert "llama_guard.requests needs requests" in error
+    assert "pip install 'llama-guard[requests]'" in error
 
 
 def test_public_names() -> None:

@@ -95,12 +95,22 @@ def _connect(connection: Any, run: Urllib3Run, connect: Any) -> None:
     try:
         connect()  # TCP, and TLS for https: the connection is ready for HTTP
         run.connection_ready()
+        if probing and _negotiated_http2(connection):
+            # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
+            run.probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
+            probing = False
         if probing:
             _probe(connection, run)
     finally:
         if ticket is not None:
             run.origin_probes.leave(ticket)
     run.connected()
+
+
+def _negotiated_http2(connection: Any) -> bool:
+    """urllib3's HTTP/2 support (``urllib3.http2``) or an https connection whose TLS handshake chose ``h2``."""
+    selected = getattr(connection.sock, "selected_alpn_protocol", None)
+    return type(connection).__name__.startswith("HTTP2") or (callable(selected) and selected() == "h2")
 
 
 def _admission(run: Urllib3Run, timeout: Any) -> int | None:
