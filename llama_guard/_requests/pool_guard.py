@@ -220,15 +220,15 @@ class PoolGuard:
         connection = self.strategies.choice(pool.scheme, pool.host, pool.port, origin, policy.connection)
         first = _FirstAttempt(self, pool, original, call, method, origin, policy, content, stream, started, connection)
         outcome: BaseHTTPResponse | BaseException | None = None
-        closes = connection.strategy == "close" or (stream and policy.stream_mode == "close")
         if first_attempt_goes_as_is(
             content,
             has_overrides=overrides is not None,
             adds_deadline=policy.first_byte_timeout is not None,
-            closes_connection=closes,
+            closes_connection=False,  # Connection: close goes on the first attempt's copy of the headers
         ):
-            # The usual request: its first attempt goes out as the caller's call (urllib3's retries taken out), with
-            # no `Urllib3Run` unless something needs one (a new connection to probe, a failure, a 503/429).
+            # The usual request: its first attempt goes out as the caller's call (urllib3's retries taken out, and
+            # Connection: close added on a copy of the headers when the strategy or a stream asks for it), with no
+            # `Urllib3Run` unless something needs one (a new connection to probe, a failure, a 503/429).
             outcome = first.send_as_is()
             if first.run is None:
                 assert isinstance(outcome, BaseHTTPResponse)
@@ -259,7 +259,7 @@ class PoolGuard:
     def _answered_at_once(self, first: _FirstAttempt, response: BaseHTTPResponse) -> BaseHTTPResponse:
         """A first attempt answered on a pooled connection: its result and counters, with no `Urllib3Run`."""
         stats = first.stats
-        closing = (
+        closing = first.closes or (
             first.policy.stream_mode != "off"
             and is_streaming_response(response.headers)
             and _drop_after_stream(response, stats)
@@ -272,7 +272,8 @@ class PoolGuard:
         setattr(
             response, RESULT_ATTRIBUTE, new_result((1, 0, first_byte, first.stream, closing, (), connection.strategy))
         )
-        stats.record_request(1, first_byte, False)
+        # A stream's connection closed by the header (stats.stream_connections_closed); the close strategy's are not.
+        stats.record_request(1, first_byte, first.closes and first.stream)
         return _preloaded(response, first)
 
     def single_send(self, call: dict[str, Any], pool: Any) -> Any:
@@ -317,6 +318,7 @@ class _FirstAttempt:
 
     __slots__ = (
         "call",
+        "closes",
         "connection",
         "content",
         "decode",
@@ -360,6 +362,12 @@ class _FirstAttempt:
         attempt["retries"] = guard.single_send(call, pool)
         attempt["preload_content"] = False
         attempt["release_conn"] = False
+        # Connection: close when the strategy or a stream asks for it (`RequestState.close_connection`), on a copy
+        # of the headers: the caller's stay as they are.
+        self.closes = connection.strategy == "close" or (stream and policy.stream_mode == "close")
+        if self.closes:
+            headers = call.get("headers")
+            attempt["headers"] = _with_connection_close(headers if headers is not None else pool.headers)
         self.call = attempt
 
     def guarded_run(self) -> Urllib3Run:
@@ -426,13 +434,9 @@ class _Attempt:
         self.timeout = None
         if run.policy.first_byte_timeout is not None:
             self.timeout = first.pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT))
-        if run.close_connection:  # Connection: close on a copy of the headers: the caller's stay as they are
+        if run.close_connection and not first.closes:  # not already on the first attempt's copy
             headers = call.get("headers")
-            if headers is None:
-                headers = first.pool.headers
-            closing = {name: value for name, value in headers.items() if name.lower() != "connection"}
-            closing["Connection"] = "close"
-            call = {**call, "headers": closing}
+            call = {**call, "headers": _with_connection_close(headers if headers is not None else first.pool.headers)}
         self.call = call
 
     def send(self) -> BaseHTTPResponse | BaseException:
@@ -463,6 +467,13 @@ class _Attempt:
         if self.run.judge_response(response.status, response.headers):
             return _read_whole(response)
         return response
+
+
+def _with_connection_close(headers: Any) -> dict[str, Any]:
+    """A copy of ``headers`` with ``Connection: close`` (replacing any Connection header)."""
+    closing = {name: value for name, value in headers.items() if name.lower() != "connection"}
+    closing["Connection"] = "close"
+    return closing
 
 
 def _preloaded(response: BaseHTTPResponse, first: _FirstAttempt) -> BaseHTTPResponse:
