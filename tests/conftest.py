@@ -51,10 +51,20 @@ def stalling_server() -> Iterator[LlamaServerEmulator]:
 
 # -- the version matrix: packages the `test` extra does not install everywhere ---------------------------------
 
-#: Packages that only some environments have: httpx2 (and all built on it) needs Python 3.11+, and the frameworks and
-#: SDKs come with the `dev` extra only.
+#: Packages that only some environments have: httpx2 (and all built on it) needs Python 3.11+, and the frameworks,
+#: SDKs and lm-evaluation-harness come with the `dev` extra only.
 OPTIONAL_PACKAGES = frozenset(
-    {"httpx2", "httpcore2", "openai", "pydantic_ai", "litellm", "haystack", "langchain_openai", "huggingface_hub"}
+    {
+        "httpx2",
+        "httpcore2",
+        "openai",
+        "pydantic_ai",
+        "litellm",
+        "haystack",
+        "langchain_openai",
+        "huggingface_hub",
+        "lm_eval",
+    }
 )
 #: scripts/version_matrix.py sets it: there a test module that imports a missing optional package is not collected,
 #: and the report header names each such module. Anywhere else a missing package fails the run, as it should.

@@ -5,7 +5,8 @@ With ``num_concurrent=1`` the model sends each request with the module-level ``r
 new connection, per request); with ``num_concurrent>1`` it sends through an aiohttp session. install() covers both:
 every request goes through the guard (its counters see each one), and the answers are the server's. The tokenizer is
 left out (``tokenizer_backend=None``, ``tokenized_requests=False``): generate_until needs none, and the harness's
-Hugging Face tokenizer would need transformers and a download.
+Hugging Face tokenizer would need transformers and a download. lm-eval comes with the `dev` extra (an optional package
+of the version matrix, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 import llama_guard
 from llama_guard.testing import LlamaServerEmulator
-
-lm_eval_models = pytest.importorskip(
-    "lm_eval.models.openai_completions", reason="lm-evaluation-harness is not installed: pip install lm-eval"
-)
-from lm_eval.api.instance import Instance  # noqa: E402
 
 PROMPTS = 6
 #: The emulator's generated text for 4 tokens (`llama_guard.testing.generated_text`).
@@ -37,7 +35,7 @@ def uninstalled_afterwards() -> Iterator[None]:
 def test_local_completions_goes_through_the_guard(num_concurrent: int) -> None:
     with LlamaServerEmulator(stream_close="on_reuse", pool_bug=False) as server:
         installation = llama_guard.install(origins=[server.url])
-        model = lm_eval_models.LocalCompletionsAPI(
+        model = LocalCompletionsAPI(
             base_url=server.url + "/v1/completions",
             model="emulated-model.gguf",
             tokenizer_backend=None,
