@@ -30,7 +30,7 @@ from urllib3.util.retry import Retry
 from urllib3.util.timeout import Timeout
 
 from .._core.connection_strategy import ConnectionChoice, Strategies
-from .._core.decisions import first_attempt_goes_as_is, is_streaming_response, wants_stream
+from .._core.decisions import first_attempt_goes_as_is, wants_stream
 from .._core.late_answers import GivenUpWatches
 from .._core.log import STALL_LOG
 from .._core.origin_probes import PROBE_BOOK
@@ -249,7 +249,7 @@ class PoolGuard:
                 raise run.final_error(outcome) from outcome
             response = outcome
             closing = run.close_connection
-            if not closing and policy.stream_mode != "off" and is_streaming_response(response.headers):
+            if not closing and policy.stream_mode != "off" and _is_streaming(response):
                 closing = _drop_after_stream(response, run.stats)
             setattr(response, RESULT_ATTRIBUTE, run.result(closing))
             return _preloaded(response, first)
@@ -260,9 +260,7 @@ class PoolGuard:
         """A first attempt answered on a pooled connection: its result and counters, with no `Urllib3Run`."""
         stats = first.stats
         closing = first.closes or (
-            first.policy.stream_mode != "off"
-            and is_streaming_response(response.headers)
-            and _drop_after_stream(response, stats)
+            first.policy.stream_mode != "off" and _is_streaming(response) and _drop_after_stream(response, stats)
         )
         first_byte = time.monotonic() - first.started
         connection = first.connection
@@ -297,7 +295,7 @@ class PoolGuard:
             self.origins.learns
             and self.origins.learn(origin, response.headers)
             and self.policy.stream_mode != "off"
-            and is_streaming_response(response.headers)
+            and _is_streaming(response)
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server.
             self.hook(pool)
@@ -356,9 +354,10 @@ class _FirstAttempt:
         self.decode = call.get("decode_content", True)
         self.stats = guard.account(origin)
         self.run: Urllib3Run | None = None
-        # What every attempt sends: the caller's call, with urllib3's own retries taken out (the guard's loop
-        # replaces them, see the module's doc), and the body left unread (the guard judges the headers first).
-        attempt = dict(call)
+        # What every attempt sends: the caller's call (``call`` is the guard's own dict, made from the arguments),
+        # with urllib3's own retries taken out (the guard's loop replaces them, see the module's doc), and the body
+        # left unread (the guard judges the headers first).
+        attempt = call
         attempt["retries"] = guard.single_send(call, pool)
         attempt["preload_content"] = False
         attempt["release_conn"] = False
@@ -467,6 +466,15 @@ class _Attempt:
         if self.run.judge_response(response.status, response.headers):
             return _read_whole(response)
         return response
+
+
+def _is_streaming(response: BaseHTTPResponse) -> bool:
+    """`is_streaming_response` for a urllib3 response: its ``chunked`` flag says Transfer-Encoding: chunked without a
+    header lookup (case-insensitive lookups cost as much as the rest of the guard's work on an answer)."""
+    if getattr(response, "chunked", False):
+        return True
+    content_type: str = response.headers.get("content-type", "")
+    return content_type[:17].lower() == "text/event-stream"
 
 
 def _with_connection_close(headers: Any) -> dict[str, Any]:
