@@ -10,11 +10,13 @@ request left as it was, results and counters, bad input, and the public names.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import json
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +31,8 @@ import llama_guard
 import llama_guard.requests as guard_requests
 from llama_guard import GuardPolicy
 from llama_guard.testing import Fault, LlamaServerEmulator
+
+from ._drivers import ClientSockets
 
 CHAT = "/v1/chat/completions"
 #: Requests of a sequential run: non-streamed, streamed, non-streamed, ... on one session.
@@ -575,3 +579,80 @@ def test_public_names() -> None:
     for name in ("ProbeTimeout", "ProbeError", "FirstByteTimeout", "GuardAdapter"):
         assert getattr(guard_requests, name).__module__ == "llama_guard.requests"
         assert issubclass(getattr(guard_requests, name), (llama_guard.GuardError, requests.adapters.HTTPAdapter))
+
+
+def test_install_auto_learns_llama_servers_and_drops_the_first_streams_connection(
+    racy_server: LlamaServerEmulator,
+) -> None:
+    """install() without origins: the first response passes unguarded, but it says llama.cpp, so its stream's
+    connection is dropped all the same (the next request would be lost on it); the requests after it are guarded."""
+    installation = llama_guard.install()
+    session = requests.Session()
+    try:
+        first = session.post(racy_server.url + CHAT, json=chat(True), timeout=TIMEOUT)
+        assert first.content.endswith(b"data: [DONE]\n\n")
+        assert guard_requests.result_of(first) is None  # unknown until it said who it is
+        second = session.post(racy_server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        assert second.status_code == 200
+        assert guard_requests.result_of(second) is not None
+    finally:
+        close_session(session)
+    assert installation.known_origins() == {llama_guard.Origin.of("http", "127.0.0.1", racy_server.port)}
+    stats = installation.stats.snapshot()
+    assert (stats.requests, stats.passthrough, stats.stream_connections_dropped) == (1, 1, 1)
+    assert racy_server.stats().requests_dropped_after_stream == 0
+
+
+def test_an_interrupted_probe_leaves_nothing_behind() -> None:
+    """A blocking client's cancellation is an exception raised in its thread (KeyboardInterrupt): raised while the
+    guard probes a new connection the server never reads, it reaches the caller as it is; the connection is closed,
+    the pool keeps nothing of it, the request is counted, and the session answers the next request."""
+    with LlamaServerEmulator() as server:
+        sockets = ClientSockets(server.port)
+        server.inject(Fault.NEVER_ANSWER_ACCEPT, count=1)
+        policy = GuardPolicy(connection="reuse", probe_timeout=30.0, probe_timeout_max=30.0, probe_kick=False)
+        session = guarded_session("adapter", server.url, policy)
+        raised: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                session.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+            except BaseException as exc:
+                raised.append(exc)
+
+        thread = threading.Thread(target=worker, name="interrupted-request")
+        thread.start()
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while not _in_probe(thread):  # waits on the thread's own progress, bounded
+                assert time.monotonic() < deadline, "the request never reached the probe"
+                time.sleep(0.01)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(thread.ident), ctypes.py_object(KeyboardInterrupt)
+            )
+            thread.join(TIMEOUT)
+            assert not thread.is_alive()
+            assert len(raised) == 1
+            assert isinstance(raised[0], KeyboardInterrupt)
+            stats = llama_guard.stats_of(session).snapshot()
+            assert stats.requests == 1
+            assert stats.probes_failed == 0  # abandoned: neither answered nor failed
+            adapter = session.get_adapter(server.url)
+            pools = [adapter.poolmanager.pools[key] for key in list(adapter.poolmanager.pools.keys())]
+            assert all(pool.pool.qsize() == pool.pool.maxsize for pool in pools)  # nothing checked out
+            assert sockets.count() == 0, sockets.describe()
+            answer = session.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+            assert answer.status_code == 200
+            assert server.stats().completions_started == 1
+        finally:
+            thread.join(TIMEOUT)
+            close_session(session)
+
+
+def _in_probe(thread: threading.Thread) -> bool:
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "_probe" and frame.f_code.co_filename.endswith("connections.py"):
+            return True
+        frame = frame.f_back
+    return False

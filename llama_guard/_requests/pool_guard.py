@@ -229,7 +229,11 @@ class PoolGuard:
             # The usual request: its first attempt goes out as the caller's call (urllib3's retries taken out, and
             # Connection: close added on a copy of the headers when the strategy or a stream asks for it), with no
             # `Urllib3Run` unless something needs one (a new connection to probe, a failure, a 503/429).
-            outcome = first.send_as_is()
+            try:
+                outcome = first.send_as_is()
+            except BaseException:  # interrupted (KeyboardInterrupt, a signal's exception): counted, as any request
+                first.stats.record_request(1, None, False)
+                raise
             if first.run is None:
                 assert isinstance(outcome, BaseHTTPResponse)
                 return self._answered_at_once(first, outcome)
