@@ -2,7 +2,8 @@
 
 Names follow each system's conventions: Prometheus' ``llama_guard_<what>_total`` for counters, base units
 (``_seconds``) and ``_info`` for a description with value 1; OpenTelemetry's dotted ``llama_guard.<what>`` with
-UCUM units (``s``, ``{request}``). Every series is per stack (``httpx``, ``httpx2``, ``aiohttp``) and origin
+UCUM units (``s``, ``{request}``). Every series is per stack (``httpx``, ``httpx2``, ``aiohttp``, ``requests``,
+``urllib3``) and origin
 (``http://127.0.0.1:8080``), except the stall episodes, which the process counts per origin.
 """
 
