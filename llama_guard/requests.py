@@ -22,9 +22,14 @@ from ._core.extras import missing_extra
 
 try:
     import requests as _requests  # noqa: F401
-    import urllib3 as _urllib3  # noqa: F401
+    import urllib3 as _urllib3
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
     missing_extra(exc, feature="llama_guard.requests", extra="requests", modules=("requests", "urllib3"))
+
+from ._install.requests_pools import unsupported_urllib3
+
+if unsupported_urllib3(_urllib3) is not None:  # pragma: no cover - depends on the environment
+    raise ImportError(f"llama_guard.requests: {unsupported_urllib3(_urllib3)}")
 
 from ._core.errors import GuardError
 from ._core.policy import GuardPolicy

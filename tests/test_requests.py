@@ -553,6 +553,20 @@ def test_without_the_extra_llama_guard_requests_names_it_and_the_rest_works() ->
     assert "pip install 'llama-guard[requests]'" in error
 
 
+def test_urllib3_1_is_refused_by_name() -> None:
+    """requests still allows urllib3 1.26; the guard drives urllib3 2.x's pools, and says so."""
+    from types import SimpleNamespace
+
+    from llama_guard._install.requests_pools import unsupported_urllib3
+
+    assert unsupported_urllib3(urllib3) is None
+    message = unsupported_urllib3(SimpleNamespace(__version__="1.26.20"))
+    assert message is not None
+    assert "urllib3 2.x" in message
+    assert "1.26.20" in message
+    assert "pip install 'urllib3>=2,<3'" in message
+
+
 def test_public_names() -> None:
     assert sorted(guard_requests.__all__) == sorted(
         [

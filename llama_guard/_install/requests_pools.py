@@ -24,7 +24,7 @@ from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
 
-__all__ = ["MODULES", "InstalledPools", "patch_if_imported", "unpatch"]
+__all__ = ["MODULES", "InstalledPools", "patch_if_imported", "unpatch", "unsupported_urllib3"]
 
 # The modules whose import patches them (post-import hooks): urllib3's pools, requests' adapter.
 MODULES = ("urllib3", "requests")
@@ -77,7 +77,15 @@ def patch_if_imported(current: Any) -> None:
     wrapped yet). ``current``: the active installation, whose ``_urllib3_pools`` serve the wrappers."""
     if current is None:
         return
-    if "urllib3" not in _handles and sys.modules.get("urllib3") is not None:
+    urllib3 = sys.modules.get("urllib3")
+    if urllib3 is not None and unsupported_urllib3(urllib3) is not None:
+        from .._core.log import WARN_ONCE
+
+        WARN_ONCE.warning(
+            f"llama_guard: install() leaves requests and urllib3 unguarded: {unsupported_urllib3(urllib3)}"
+        )
+        return
+    if "urllib3" not in _handles and urllib3 is not None:
         from urllib3.connectionpool import HTTPConnectionPool
 
         _handles["urllib3"] = (
@@ -94,6 +102,15 @@ def patch_if_imported(current: Any) -> None:
             "send",
             wrapt.wrap_function_wrapper(adapters.HTTPAdapter, "send", _send_wrapper),
         )
+
+
+def unsupported_urllib3(urllib3: Any) -> str | None:
+    """Why the guard cannot drive this urllib3 (it needs 2.x: its pools' ``urlopen``, connection classes and
+    responses), or None."""
+    version = str(getattr(urllib3, "__version__", "0"))
+    if version.partition(".")[0] == "2":
+        return None
+    return f"the guard needs urllib3 2.x and this is urllib3 {version} (pip install 'urllib3>=2,<3')"
 
 
 def unpatch() -> None:
