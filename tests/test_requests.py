@@ -33,6 +33,7 @@ from llama_guard import GuardPolicy
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import ClientSockets
+from .test_install import RecordingServer
 
 CHAT = "/v1/chat/completions"
 #: Requests of a sequential run: non-streamed, streamed, non-streamed, ... on one session.
@@ -372,6 +373,51 @@ def test_other_origins_are_left_alone(racy_server: LlamaServerEmulator) -> None:
         assert seen.requests_to("/health") == 0
         assert seen.connections_accepted == 1  # kept alive: no Connection: close was added (auto is close here)
         assert installation.stats.snapshot().requests == 0
+
+
+def requests_exchange_with(url: str) -> list[tuple[int, list[tuple[str, str]], bytes]]:
+    """A few requests of every kind the guard looks at, through a session and through urllib3 directly; what the
+    client saw of each."""
+    seen = []
+    session = requests.Session()
+    manager = urllib3.PoolManager()
+    try:
+        for method, path, body in [
+            ("GET", "/health", None),
+            ("POST", CHAT, chat(stream=True)),
+            ("POST", CHAT, chat(stream=False)),
+            ("POST", CHAT, chat(stream=True)),
+        ]:
+            response = session.request(method, url + path, json=body, headers={"Authorization": "Bearer not-a-key"})
+            seen.append((response.status_code, sorted(response.headers.items()), response.content))
+            answer = manager.request(method, url + path, json=body)
+            seen.append((answer.status, sorted(answer.headers.items()), answer.data))
+    finally:
+        close_session(session)
+        manager.clear()
+    return seen
+
+
+@pytest.mark.parametrize("origins", [None, ["http://127.0.0.1:1"]], ids=["auto", "other-origin-listed"])
+def test_other_traffic_is_byte_for_byte_unchanged(origins: list[str] | None) -> None:
+    """Against a server that is not llama-server, through requests and urllib3, the bytes on the wire and what the
+    client sees are identical with install() and without (tests/test_install.py's recording server)."""
+    server = RecordingServer()
+    try:
+        without = requests_exchange_with(server.url)
+        wire_without = sorted(server.received)
+        server.received.clear()
+        installation = llama_guard.install(origins=origins)
+        with_install = requests_exchange_with(server.url)
+        wire_with = sorted(server.received)
+    finally:
+        server.close()
+    assert len(wire_without) == 2, "one pooled connection each, no probe"
+    assert wire_with == wire_without
+    assert with_install == without
+    if origins is None:
+        assert installation.known_origins() == frozenset()  # nginx is not llama.cpp: nothing learnt
+    assert installation.stats.snapshot().requests == 0
 
 
 def test_an_explicit_guard_is_not_doubled_by_install(racy_server: LlamaServerEmulator) -> None:
