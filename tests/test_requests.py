@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import json
 import subprocess
 import sys
@@ -716,3 +717,47 @@ def _in_probe(thread: threading.Thread) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def test_https_connections_are_probed_after_tls(racy_server: LlamaServerEmulator, tmp_path: Any) -> None:
+    """Through TLS (a relay with a test certificate in front of the emulator): the probe goes after the handshake,
+    on the TLS socket; the stream defect comes through the relay, and nothing is lost."""
+    from ._connection_kinds import TlsRelay, tls_material
+
+    authority = tmp_path / "ca.pem"
+    authority.write_bytes(tls_material().ca.cert_pem.bytes())
+    with TlsRelay(("127.0.0.1", racy_server.port)) as relay:
+        url = f"https://127.0.0.1:{relay.port}"
+        session = guarded_session("adapter", url, GuardPolicy(connection="reuse"))
+        try:
+            # Per request: requests lets REQUESTS_CA_BUNDLE in the environment win over a session's verify.
+            outcomes = alternate(functools.partial(session.post, verify=str(authority)), url, 10)
+            stats = llama_guard.stats_of(session).snapshot()
+        finally:
+            close_session(session)
+    assert lost(outcomes) == []
+    assert stats.probes_sent >= 1
+    assert stats.probes_failed == 0
+    assert racy_server.stats().requests_to("/health") == stats.probes_sent
+
+
+def test_a_proxy_is_said_and_its_connections_not_probed(racy_server: LlamaServerEmulator) -> None:
+    """Through an HTTP proxy the connection is the proxy's: not probed, said in stats.probing_off; the requests are
+    still guarded (stream close, retries)."""
+    from ._connection_kinds import HttpProxy
+
+    with HttpProxy() as proxy:
+        session = guarded_session("adapter", racy_server.url, GuardPolicy(connection="reuse"))
+        session.proxies = {"http": f"http://127.0.0.1:{proxy.port}"}
+        try:
+            outcomes = alternate(session.post, racy_server.url, 6)
+            stats = llama_guard.stats_of(session).snapshot()
+        finally:
+            for manager in session.get_adapter(racy_server.url).proxy_manager.values():
+                for key in list(manager.pools.keys()):
+                    manager.pools[key].close()
+            close_session(session)
+    assert lost(outcomes) == []
+    assert stats.probes_sent == 0
+    assert stats.probing_off is not None
+    assert "proxy" in stats.probing_off
