@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpcore
 import httpx
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "llama_guard"
 # The only modules allowed to touch private attributes of the HTTP libraries (the second is generated).
@@ -204,3 +205,18 @@ def test_core_imports_no_http_library() -> None:
     command = [sys.executable, "-c", code, str(PACKAGE)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("module", ["llama_guard._cli.doctor.command", "llama_guard._cli.watch.command"])
+def test_commands_that_do_not_run_the_emulator_do_not_import_it(module: str) -> None:
+    """The CLI reaches ``llama_guard.testing`` (the emulator, the largest room) only where it runs it: the demo.
+    Checked in a fresh interpreter; the control is the demo's module, which must import it."""
+    code = (
+        "import importlib, sys\n"
+        "importlib.import_module(sys.argv[1])\n"
+        "print(sorted(n for n in sys.modules if n.startswith('llama_guard.testing')))\n"
+    )
+    for name, imports_testing in ((module, False), ("llama_guard._cli.demo", True)):
+        result = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert (result.stdout.strip() != "[]") is imports_testing, (name, result.stdout)

@@ -2,9 +2,10 @@
 
 What triggers the bug, measured against llama-server b11434: the connections must be accepted in one burst
 before their first requests arrive (a pool re-opening all its connections at once). Clients that connect as their
-requests start rarely do; so `open_burst()` opens the connections back to back first, and
-`preopened_backend()` hands one of them to each client as its "new connection" through httpcore's network
-backend interface. Everything after that, probes included, is the client's real code on a real socket.
+requests start rarely do; so `open_burst()` (``llama_guard/_burst.py``, which doctor shares) opens the
+connections back to back first, and `burst_transport()` hands one of them to each client as its "new connection"
+through httpcore's network backend interface. Everything after that, probes included, is the client's real code
+on a real socket.
 
     sockets = open_burst("127.0.0.1", port, 32)
     clients = [httpx.Client(transport=burst_transport([s])) for s in sockets]
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import select
 import socket
 import ssl
@@ -27,43 +27,9 @@ import anyio
 import httpcore
 import httpx
 
+from .._burst import open_burst
+
 __all__ = ["AsyncPreopenedBackend", "PreopenedBackend", "async_burst_transport", "burst_transport", "open_burst"]
-
-
-def open_burst(host: str, port: int, count: int, *, timeout: float = 5.0) -> list[socket.socket]:
-    """Open ``count`` TCP connections at once (every connect started before any completes), before any of them
-    sends a byte: the burst in which llama-server's accept loop queues them faster than its pool threads wake.
-
-    Blocking connects one after another are slower, and on an idle machine rarely trigger the bug."""
-    if not 1 <= count <= 4096:
-        raise ValueError(f"count must be from 1 to 4096; got {count!r}")
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.connect_ex((host, port))
-        pending = list(sockets)
-        deadline = time.monotonic() + timeout
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"{len(pending)} of {count} connections to {host}:{port} did not complete")
-            _, writable, _ = select.select([], pending, [], remaining)
-            for sock in writable:
-                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                if error:
-                    raise ConnectionError(error, f"connect to {host}:{port} failed: {os.strerror(error)}")
-                pending.remove(sock)
-        for sock in sockets:
-            sock.setblocking(True)
-    except BaseException:
-        for sock in sockets:
-            sock.close()
-        raise
-    return sockets
 
 
 class _Handout:

@@ -19,10 +19,10 @@ from typing import TextIO
 
 import httpx
 
+from ..._burst import open_burst
 from ..._core.llama_server import build_number
 from ..._core.policy import GuardPolicy
 from ..._httpx.sync_transport import GuardTransport
-from ...testing._burst import open_burst
 from ..load import LoadRow, proxy_load
 from .model import BurstCheck, BurstRound, DoctorError, Identity, KeepAliveCheck, Target, base_candidates
 from .wire import RawConnection, RawResponse, WireError, connect, read_first_bytes
