@@ -118,7 +118,8 @@ def test_a_provisional_choice_reported_late_never_replaces_the_final_one() -> No
         connections.connected(0.0001)
     for _ in range(MIN_REQUESTS):
         final = connections.answered(1.0)
-    assert final is not None and final.final
+    assert final is not None
+    assert final.final
     assert connections._measuring() is final  # the lock-free read in `choice` saw None; the locked one sees it
 
     stats = llama_guard.GuardStats()
