@@ -761,3 +761,27 @@ def test_a_proxy_is_said_and_its_connections_not_probed(racy_server: LlamaServer
     assert stats.probes_sent == 0
     assert stats.probing_off is not None
     assert "proxy" in stats.probing_off
+
+
+def test_the_admission_wait_is_bounded_by_the_connect_timeout() -> None:
+    """connect_admission="always", the origin's turn held by another connection: the request's new connection waits
+    no longer than its connect timeout, then fails as a connect that timed out (requests' ConnectTimeout, naming the
+    admission), its place given up and nothing opened (tests/test_adaptive_probe.py's tooling)."""
+    from .test_adaptive_probe import HeldTurn, origin_of
+
+    policy = GuardPolicy(connection="reuse", connect_admission="always", max_attempts=1)
+    with LlamaServerEmulator(pool_bug=False) as server:
+        probes = origin_of(server)
+        held = HeldTurn(probes)
+        session = guarded_session("adapter", server.url, policy)
+        try:
+            with pytest.raises(requests.ConnectTimeout) as raised:
+                session.post(server.url + CHAT, json=chat(False), timeout=(0.3, TIMEOUT))
+            assert (probes.waiting(), probes.opening()) == (0, 1)  # gave its place up; the turn is still held
+        finally:
+            held.release()
+            close_session(session)
+        assert server.stats().connections_accepted == 0
+    assert "waited 0.3 s (the connect timeout)" in str(raised.value)
+    assert "connect_admission" in str(raised.value)
+    assert isinstance(raised.value, llama_guard.GuardError)

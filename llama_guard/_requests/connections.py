@@ -14,10 +14,11 @@ A pooled connection that urllib3 reuses never calls ``connect()``: it pays nothi
 from __future__ import annotations
 
 import socket
-import time
 from typing import Any
 
-from .._core.origin_probes import OriginProbes
+from urllib3.exceptions import ConnectTimeoutError
+
+from .._core.origin_probes import Admission
 from .._core.probe_machine import (
     READ_SIZE,
     Abort,
@@ -91,7 +92,7 @@ def _connect(connection: Any, run: Urllib3Run, connect: Any) -> None:
     probing = direct and run.probing and run.origin not in run.guard.unprobeable
     # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
     # TLS handshake comes inside urllib3's connect.
-    ticket = _admission(run, connection.timeout) if probing and url.scheme == "http" else None
+    admission = _admission(run, connection.timeout) if probing and url.scheme == "http" else None
     try:
         connect()  # TCP, and TLS for https: the connection is ready for HTTP
         run.connection_ready()
@@ -102,8 +103,8 @@ def _connect(connection: Any, run: Urllib3Run, connect: Any) -> None:
         if probing:
             _probe(connection, run)
     finally:
-        if ticket is not None:
-            run.origin_probes.leave(ticket)
+        if admission is not None:
+            admission.leave()
     run.connected()
 
 
@@ -113,29 +114,21 @@ def _negotiated_http2(connection: Any) -> bool:
     return type(connection).__name__.startswith("HTTP2") or (callable(selected) and selected() == "h2")
 
 
-def _admission(run: Urllib3Run, timeout: Any) -> int | None:
-    """Wait for this connection's turn to be opened, if its origin admits them one at a time now; the ticket to hand
-    back once it is probed, or None. Bounded by the connect timeout."""
-    probes: OriginProbes = run.origin_probes
-    if not probes.admission_needed(run.policy):
-        return None
-    turn = ThreadTurn()
-    ticket = probes.take_ticket(turn)
-    if probes.admit(ticket):
-        return ticket
-    bound = timeout if isinstance(timeout, (int, float)) else None
-    started = time.monotonic()
+def _admission(run: Urllib3Run, timeout: Any) -> Admission[ThreadTurn] | None:
+    """This connection's place in its origin's queue, once its turn has come (`Admission`), or None when the origin
+    lets connections open freely now. The wait is bounded by the connect timeout."""
+    admission = Admission.of(run, ThreadTurn)
+    if admission is None or not admission.waits:
+        return admission
+    bound = float(timeout) if isinstance(timeout, (int, float)) else None
     try:
-        if not turn.wait_until(lambda: probes.admit(ticket), bound):
-            raise Urllib3ProbeTimeout(
-                f"waited {bound:g} s (the connect timeout) for the other new connections to {probes.origin} to be "
-                "probed first (connect_admission)"
-            )
+        if not admission.turn.wait_until(admission.admitted, bound):
+            raise ConnectTimeoutError(admission.timeout_message(bound))  # a connect that timed out: nothing sent
     except BaseException:  # timed out or interrupted while waiting: give the place up
-        probes.leave(ticket)
+        admission.leave()
         raise
-    run.stats.record_admission_wait(time.monotonic() - started)
-    return ticket
+    admission.waited()
+    return admission
 
 
 def _probe(connection: Any, run: Urllib3Run) -> None:
