@@ -10,11 +10,8 @@ per-request result and the counters.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -25,6 +22,7 @@ from .._core.llama_server import RETRIED_STATUSES
 from .._core.origin_stats import CountsPerOrigin
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
+from .._core.request_options import current_options, request_options
 from .._core.result import GuardResult, new_result
 from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats
@@ -40,28 +38,6 @@ ClientHandler = Any  # aiohttp.ClientHandlerType: ClientRequest -> Awaitable[Cli
 
 # The guard's account of each response it handled; weak, so that it lives as long as the response.
 _RESULTS: weakref.WeakKeyDictionary[aiohttp.ClientResponse, GuardResult] = weakref.WeakKeyDictionary()
-
-
-# Per-request options: aiohttp requests have no extensions, so they ride on the calling task's context.
-_OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("llama_guard_options", default=None)
-
-
-@contextlib.contextmanager
-def request_options(**overrides: Any) -> Iterator[None]:
-    """Options for the guarded requests this task sends inside the block (``GuardPolicy`` fields, as httpx's
-    ``request.extensions["llama_guard"]``)::
-
-        with request_options(first_byte_timeout=2.0):
-            response = await session.post(...)
-
-    Unknown fields (or ``origins``, which belongs to the session) raise `ValueError` here, naming what is allowed.
-    """
-    GuardPolicy().merged(overrides)  # validates now, where the mistake is
-    token = _OPTIONS.set({**(_OPTIONS.get() or {}), **overrides})
-    try:
-        yield
-    finally:
-        _OPTIONS.reset(token)
 
 
 def guard_result(response: aiohttp.ClientResponse) -> GuardResult | None:
@@ -110,7 +86,7 @@ class GuardMiddleware(CountsPerOrigin):
             if not self.origins.is_llama(origin):
                 return await self._pass_through(request, handler, origin)
         started = time.monotonic()
-        overrides = _OPTIONS.get()
+        overrides = current_options()
         policy = self.policy if overrides is None else self.policy.merged(overrides)
         body, stream = await request_body(request)
         url = request.url
