@@ -34,6 +34,7 @@ from .._core.decisions import first_attempt_goes_as_is, wants_stream
 from .._core.late_answers import GivenUpWatches
 from .._core.log import STALL_LOG
 from .._core.origin_probes import PROBE_BOOK
+from .._core.origin_stats import CountsPerOrigin
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.request_state import RETRIED_STATUSES
@@ -100,7 +101,7 @@ class _PoolHook:
         self.own_put = "_put_conn" in instance
 
 
-class PoolGuard:
+class PoolGuard(CountsPerOrigin):
     """The guard's state for the pools it hooks: settings, counters, connection strategies, given-up probes.
 
     ``stack``: the name of the stack in the counts per origin (``"requests"``, ``"urllib3"``); ``explicit``: its
@@ -117,14 +118,13 @@ class PoolGuard:
         explicit: bool,
     ) -> None:
         self.policy = policy
-        self.stats = stats
+        self.STACK = stack  # the name its counts per origin go under (`CountsPerOrigin`)
+        self.stats = stats  # and its accounts per origin (`Accounts`)
         self.origins = origins
-        self.stack = stack
         self.explicit = explicit
-        self.strategies = Strategies(policy.connection, stats)
+        self._strategies = Strategies(policy.connection, stats)
         self.given_up = GivenUpWatches()  # connections whose probe was given up, watched for a late answer
         self.unprobeable: set[Origin] = set()  # origins that close a probed connection: probing them cannot work
-        self._accounts: dict[Origin, GuardStats] = {}
         self._last_retries: tuple[Any, bool, Any] | None = None  # (caller's Retry, redirect, what attempts get)
         self._pools: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -182,11 +182,9 @@ class PoolGuard:
         self.given_up.end_all()
         STALL_LOG.flush()
 
-    def account(self, origin: Origin) -> GuardStats:
-        account = self._accounts.get(origin)
-        if account is None:
-            account = self._accounts[origin] = self.stats.of_origin(self.stack, origin)
-        return account
+    def account(self, pool: Any, origin: Origin) -> GuardStats:
+        """The account of ``pool``'s origin in the stats (`GuardStats.of_origin`)."""
+        return self._accounts.of(pool.scheme, pool.host, pool.port, origin)
 
     # -- a request ------------------------------------------------------------------------------------------------
 
@@ -217,7 +215,7 @@ class PoolGuard:
         elif content is None:
             content = b""
         stream = method == "POST" and content is not None and wants_stream(content)
-        connection = self.strategies.choice(pool.scheme, pool.host, pool.port, origin, policy.connection)
+        connection = self._strategies.choice(pool.scheme, pool.host, pool.port, origin, policy.connection)
         first = _FirstAttempt(self, pool, original, call, method, origin, policy, content, stream, started, connection)
         outcome: BaseHTTPResponse | BaseException | None = None
         if first_attempt_goes_as_is(
@@ -270,7 +268,7 @@ class PoolGuard:
         connection = first.connection
         if not connection.final:
             pool = first.pool
-            self.strategies.answered(pool.scheme, pool.host, pool.port, first_byte)
+            self._strategies.answered(pool.scheme, pool.host, pool.port, first_byte)
         setattr(
             response, RESULT_ATTRIBUTE, new_result((1, 0, first_byte, first.stream, closing, (), connection.strategy))
         )
@@ -303,7 +301,7 @@ class PoolGuard:
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server.
             self.hook(pool)
-            _drop_after_stream(response, self.account(origin))
+            _drop_after_stream(response, self.account(pool, origin))
         return response
 
 
@@ -356,7 +354,7 @@ class _FirstAttempt:
         self.connection = connection
         self.preload = call.get("preload_content", True)
         self.decode = call.get("decode_content", True)
-        self.stats = guard.account(origin)
+        self.stats = guard.account(pool, origin)
         self.run: Urllib3Run | None = None
         # What every attempt sends: the caller's call (``call`` is the guard's own dict, made from the arguments),
         # with urllib3's own retries taken out (the guard's loop replaces them, see the module's doc), and the body
