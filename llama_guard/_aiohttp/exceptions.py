@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp.http_exceptions import BadHttpMessage, PayloadEncodingError
 
 from .._core.decisions import FailureKind
-from .._core.errors import GuardError
+from .._core.errors import GuardedClasses, GuardError
 
 __all__ = [
     "FirstByteTimeout",
@@ -101,21 +101,8 @@ def body_error(exc: BaseException) -> bool:
     return False
 
 
-_GUARDED: dict[type[BaseException], type[BaseException]] = {}
-
-
-def _guarded_class(base: type[BaseException]) -> type[BaseException]:
-    """``Guarded<X>``: a subclass of both X and `GuardError`, made once per aiohttp class (a module attribute, so
-    that it shows a stable name)."""
-    if issubclass(base, GuardError):
-        return base
-    cls = _GUARDED.get(base)
-    if cls is None:
-        name = f"Guarded{base.__name__}"
-        cls = type(name, (_Account, GuardError, base), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = cls
-        _GUARDED[base] = cls
-    return cls
+# Guarded<X> for each aiohttp error class X (a module attribute each), which says the guard's account.
+_GUARDED: GuardedClasses[BaseException] = GuardedClasses(globals(), mixins=(_Account,))
 
 
 def guarded_error(
@@ -123,7 +110,7 @@ def guarded_error(
 ) -> BaseException:
     """The error to raise when the guard stops trying: an instance of the same aiohttp class (its fields copied,
     since aiohttp's constructors differ from class to class) whose message carries the guard's account."""
-    cls = _guarded_class(type(exc))
+    cls = _GUARDED.of(type(exc))
     error: Any = cls.__new__(cls)
     error.args = exc.args
     error.__dict__.update(exc.__dict__)

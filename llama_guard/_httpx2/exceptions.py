@@ -22,7 +22,7 @@ from __future__ import annotations
 import httpx2 as httpx
 
 from .._core.decisions import FailureKind, Progress, ProgressTracker
-from .._core.errors import GuardError
+from .._core.errors import GuardedClasses, GuardError
 
 __all__ = ["FirstByteTimeout", "GuardError", "ProbeError", "ProbeTimeout", "failure_kind", "guarded_error"]
 
@@ -39,30 +39,15 @@ class ProbeError(GuardError, httpx.ConnectError):
     """A new connection failed the probe: closed, reset, or answered with something that is not HTTP."""
 
 
-_GUARDED: dict[type[httpx.TransportError], type[httpx.TransportError]] = {}
-
-
-def _guarded_class(base: type[httpx.TransportError]) -> type[httpx.TransportError]:
-    """``Guarded<X>``: a subclass of both X and `GuardError`, made once per httpx class.
-
-    The class is also set as a module attribute so that it pickles and shows a stable name.
-    """
-    if issubclass(base, GuardError):
-        return base
-    cls = _GUARDED.get(base)
-    if cls is None:
-        name = f"Guarded{base.__name__}"
-        cls = type(name, (GuardError, base), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = cls
-        _GUARDED[base] = cls
-    return cls
+# Guarded<X> for each httpx error class X (a module attribute each).
+_GUARDED: GuardedClasses[httpx.TransportError] = GuardedClasses(globals())
 
 
 def guarded_error(
     exc: httpx.TransportError, *, message: str, attempts: int, elapsed: float, history: tuple[str, ...]
 ) -> httpx.TransportError:
     """The error to raise when the guard stops trying: same httpx class, the guard's account in its message."""
-    cls = _guarded_class(type(exc))
+    cls = _GUARDED.of(type(exc))
     try:
         request: httpx.Request | None = exc.request
     except RuntimeError:  # httpx raises this when the error was created without a request
