@@ -338,7 +338,8 @@ def test_install_covers_sessions_module_functions_and_urllib3(racy_server: Llama
         assert llama_guard.stats_of(before) is installation.stats
         llama_guard.uninstall()
         for hooked in (pool, *(manager.pools[key] for key in list(manager.pools.keys()))):
-            assert not {"urlopen", "ConnectionCls", "_put_conn", "_llama_guard_pool"} & set(vars(hooked)), vars(hooked)
+            hooks = {"urlopen", "ConnectionCls", "_put_conn", "_get_conn", "_llama_guard_pool"}
+            assert not hooks & set(vars(hooked)), vars(hooked)
         again = alternate(before.post, url, 10)
         assert len(lost(again)) > 0  # plain again
     finally:
@@ -785,3 +786,29 @@ def test_the_admission_wait_is_bounded_by_the_connect_timeout() -> None:
     assert "waited 0.3 s (the connect timeout)" in str(raised.value)
     assert "connect_admission" in str(raised.value)
     assert isinstance(raised.value, llama_guard.GuardError)
+
+
+def test_a_connection_idle_past_the_guards_keep_alive_is_not_reused() -> None:
+    """llama-server closes an idle connection at 5 s and urllib3 keeps one for ever: a pooled connection idle for 4 s
+    (CLIENT_KEEPALIVE) is closed before it is handed out, and the request goes on a new (probed) connection. The idle
+    time is set on the connection (its stamp moved back), not waited for."""
+    from llama_guard._core.llama_server import CLIENT_KEEPALIVE
+
+    with LlamaServerEmulator(pool_bug=False) as server:
+        session = guarded_session("adapter", server.url, GuardPolicy(connection="reuse"))
+        try:
+            for _ in range(2):  # one connection, reused while fresh
+                assert ask(session.post, server.url, stream=False).status_code == 200
+            assert server.stats().connections_accepted == 1
+            adapter = session.get_adapter(server.url)
+            (pool,) = [adapter.poolmanager.pools[key] for key in list(adapter.poolmanager.pools.keys())]
+            (idle,) = [conn for conn in list(pool.pool.queue) if conn is not None]
+            idle.__dict__["_llama_guard_idle_since"] -= CLIENT_KEEPALIVE
+            assert ask(session.post, server.url, stream=False).status_code == 200
+            stats = llama_guard.stats_of(session).snapshot()
+        finally:
+            close_session(session)
+        seen = server.stats()
+    assert seen.connections_accepted == 2
+    assert seen.requests_to("/health") == stats.probes_sent == 2
+    assert stats.retries == 0

@@ -32,6 +32,7 @@ from urllib3.util.timeout import Timeout
 from .._core.connection_strategy import ConnectionChoice, Strategies
 from .._core.decisions import first_attempt_goes_as_is, wants_stream
 from .._core.late_answers import GivenUpWatches
+from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.log import STALL_LOG
 from .._core.origin_probes import PROBE_BOOK
 from .._core.origin_stats import CountsPerOrigin
@@ -66,6 +67,7 @@ _PARAMS = (
 # The attribute a guarded response carries its `GuardResult` in, and a connection its drop mark.
 RESULT_ATTRIBUTE = "_llama_guard_result"
 _DROP_ATTRIBUTE = "_llama_guard_drop"
+_IDLE_ATTRIBUTE = "_llama_guard_idle_since"
 # The attribute of a hooked pool: the guard that hooked it, and what the pool was before.
 _HOOK_ATTRIBUTE = "_llama_guard_pool"
 
@@ -90,7 +92,7 @@ def pool_guard_of(pool: object) -> PoolGuard | None:
 class _PoolHook:
     """What a guard changed on one pool, to put it back (`PoolGuard.unhook`)."""
 
-    __slots__ = ("connection_class", "guard", "origin", "own_class", "own_put")
+    __slots__ = ("connection_class", "guard", "origin", "own_class", "own_get", "own_put")
 
     def __init__(self, guard: PoolGuard, pool: Any) -> None:
         self.guard = guard
@@ -99,6 +101,7 @@ class _PoolHook:
         self.own_class = "ConnectionCls" in instance  # an instance attribute of the pool's own, to restore
         self.connection_class = pool.ConnectionCls
         self.own_put = "_put_conn" in instance
+        self.own_get = "_get_conn" in instance
 
 
 class PoolGuard(CountsPerOrigin):
@@ -132,8 +135,9 @@ class PoolGuard(CountsPerOrigin):
     # -- the pools ---------------------------------------------------------------------------------------------
 
     def hook(self, pool: Any) -> None:
-        """Put the guard on ``pool`` (once): its new connections' class, its ``_put_conn`` (a llama stream's
-        connection is closed, never pooled) and, for an explicit guard, its ``urlopen`` (`install()` wraps the
+        """Put the guard on ``pool`` (once): its new connections' class, its ``_put_conn`` and ``_get_conn`` (a llama
+        stream's connection is closed, never pooled; an idle one expires at 4 s) and, for an explicit guard, its
+        ``urlopen`` (`install()` wraps the
         class's instead). An explicit guard takes a pool over from `install()`'s, never the other way round."""
         hook = pool.__dict__.get(_HOOK_ATTRIBUTE)
         if hook is not None and hook.guard is self:
@@ -151,6 +155,7 @@ class PoolGuard(CountsPerOrigin):
             pool.ConnectionCls = guarded
             _swap_idle_connections(pool, guarded_connection_class)
             pool._put_conn = functools.partial(_put_conn, pool, type(pool)._put_conn)
+            pool._get_conn = functools.partial(_get_conn, pool, type(pool)._get_conn)
             if self.explicit:
                 pool.urlopen = functools.partial(self.urlopen, pool, functools.partial(type(pool).urlopen, pool))
             setattr(pool, _HOOK_ATTRIBUTE, hook)
@@ -168,6 +173,8 @@ class PoolGuard(CountsPerOrigin):
             pool.__dict__.pop("ConnectionCls", None)
         if not hook.own_put:
             pool.__dict__.pop("_put_conn", None)
+        if not hook.own_get:
+            pool.__dict__.pop("_get_conn", None)
         pool.__dict__.pop("urlopen", None)
         _swap_idle_connections(pool, original_connection_class)
         self._pools.discard(pool)
@@ -554,14 +561,28 @@ def _drop_after_stream(response: BaseHTTPResponse, stats: GuardStats) -> bool:
 
 def _put_conn(pool: Any, put: Any, conn: Any) -> None:
     """A hooked pool's ``_put_conn``: a connection marked by `_drop_after_stream` is closed first (urllib3 then
-    opens a new one in its place when it is next taken)."""
+    opens a new one in its place when it is next taken); one that goes back idle is stamped with the time."""
     if conn is not None:
         stats = conn.__dict__.pop(_DROP_ATTRIBUTE, None)
         if stats is not None:
             if conn.sock is not None:
                 stats.add(stream_connections_closed=1, stream_connections_dropped=1)
             conn.close()
+        conn.__dict__[_IDLE_ATTRIBUTE] = time.monotonic()
     put(pool, conn)
+
+
+def _get_conn(pool: Any, get: Any, timeout: Any = None) -> Any:
+    """A hooked pool's ``_get_conn``: a connection idle for `CLIENT_KEEPALIVE` (4 s) or more is closed before it is
+    handed out (urllib3 reconnects it in place, and the hook probes the new connection). llama-server closes an idle
+    connection at 5 s; urllib3 keeps one for ever and checks only that no close has arrived yet, so a request could
+    be written at the moment the server closes it (httpx's pool expires at 4 s under the guard, aiohttp's too)."""
+    conn = get(pool, timeout)
+    if conn is not None:
+        idle_since = conn.__dict__.pop(_IDLE_ATTRIBUTE, None)
+        if idle_since is not None and time.monotonic() - idle_since >= CLIENT_KEEPALIVE and conn.sock is not None:
+            conn.close()
+    return conn
 
 
 def _swap_idle_connections(pool: Any, make: Any) -> None:
