@@ -177,9 +177,9 @@ class ProgressTracker:
 
     Fed one of two ways:
 
-    - ``hooked=True``: by the guard's hooks on the pool's network backend (``_async_network.py``), which see each
-      new connection (`connecting`, then `connected` once it is up and probed) and nothing else: they cost
-      nothing on a pooled connection. A failure on a connection that was up is then taken as "request written":
+    - ``hooked=True``: by the guard's hooks on the pool's network backend (``_httpx/async_connections.py``), which
+      see each new connection (`connecting`, then `connected` once it is up and probed) and nothing else: they
+      cost nothing on a pooled connection. A failure on a connection that was up is then taken as "request written":
       httpcore writes as soon as it holds a connection, and nothing but the write and the read can fail after
       that. This tells "nothing sent" only where it matters (connect and probe failures) and errs on the side of
       "may have reached the server" everywhere else.
