@@ -21,8 +21,9 @@ INTERNALS = {
     PACKAGE / "_httpx" / "internals.py",
     PACKAGE / "_httpx2" / "internals.py",
     PACKAGE / "_aiohttp" / "internals.py",
+    PACKAGE / "_requests" / "internals.py",
 }
-HTTP_LIBRARIES = ("httpx", "httpcore", "httpx2", "httpcore2", "aiohttp")
+HTTP_LIBRARIES = ("httpx", "httpcore", "httpx2", "httpcore2", "aiohttp", "urllib3", "requests")
 _ATTRIBUTE_FUNCTIONS = ("getattr", "setattr", "hasattr", "delattr")
 
 

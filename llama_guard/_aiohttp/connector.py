@@ -151,17 +151,12 @@ async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> Adm
     ``connect`` timer covers the whole connect, this wait included (it then raises its own ConnectionTimeoutError);
     the smaller of ``connect`` and ``sock_connect`` bounds it here too, with a message that names the admission."""
     admission = Admission.of(run, AsyncTurn)  # woken thread-safely, from any loop (_core/turns.py)
-    if admission is None or not admission.waits:
-        return admission
-    bounds = [t for t in (timeout.connect, timeout.sock_connect) if t is not None]
-    bound = min(bounds) if bounds else None
-    try:
-        if not await admission.turn.wait_until(admission.admitted, bound):
+    if admission is not None and admission.waits:
+        bounds = [t for t in (timeout.connect, timeout.sock_connect) if t is not None]
+        bound = min(bounds) if bounds else None
+        admitted = await admission.turn.wait_until(admission.admitted, bound, abandoned=admission.leave)
+        if not admission.waited(admitted):
             raise aiohttp.ConnectionTimeoutError(admission.timeout_message(bound))
-    except BaseException:  # timed out or cancelled while waiting: give the place up
-        admission.leave()
-        raise
-    admission.waited()
     return admission
 
 

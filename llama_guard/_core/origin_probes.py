@@ -322,8 +322,9 @@ TurnT = TypeVar("TurnT", bound=Turn)
 class Admission(Generic[TurnT]):
     """A new connection's place in its origin's queue (``connect_admission``): taken before it is opened, left once
     it is probed (`leave`, whatever happened). ``waits``: it was not admitted at once; the driver then waits on
-    ``turn`` (made in the driver's own thread or event loop) until `admitted`, bounded by its connect timeout, and
-    reports `waited`, or `timeout_message` for its own ConnectTimeout class."""
+    ``turn`` (made in the driver's own thread or event loop) until `admitted`, bounded by its connect timeout and
+    leaving if cancelled, then reports `waited`; a wait that timed out raises the driver's ConnectTimeout with
+    `timeout_message`."""
 
     __slots__ = ("_probes", "_started", "_stats", "_ticket", "turn", "waits")
 
@@ -348,8 +349,14 @@ class Admission(Generic[TurnT]):
         """Whether its turn has come (asked again after each wake-up of ``turn``)."""
         return self._probes.admit(self._ticket)
 
-    def waited(self) -> None:
-        self._stats.record_admission_wait(time.monotonic() - self._started)
+    def waited(self, admitted: bool) -> bool:
+        """The wait for the turn ended: ``admitted``, and counted (`GuardStats.record_admission_wait`), or timed out,
+        and the place given up. Returns ``admitted``."""
+        if admitted:
+            self._stats.record_admission_wait(time.monotonic() - self._started)
+        else:
+            self.leave()
+        return admitted
 
     def timeout_message(self, bound: float | None) -> str:
         return (

@@ -44,17 +44,25 @@ class ThreadTurn:
         """True when woken, False when ``timeout`` seconds passed first."""
         return self._event.wait(timeout)
 
-    def wait_until(self, admitted: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ``admitted()`` (asked again after each wake-up); False if ``timeout`` seconds passed first."""
+    def wait_until(
+        self, admitted: Callable[[], bool], timeout: float | None, *, abandoned: Callable[[], None] | None = None
+    ) -> bool:
+        """Wait until ``admitted()`` (asked again after each wake-up); False if ``timeout`` seconds passed first.
+        ``abandoned``: called if the wait ends in an exception (cancelled), before it propagates."""
         end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self.clear()  # before the check: a wake-up after it finds the event set
-            if admitted():
-                return True
-            remaining = None if end is None else end - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            self.wait(remaining)
+        try:
+            while True:
+                self.clear()  # before the check: a wake-up after it finds the event set
+                if admitted():
+                    return True
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self.wait(remaining)
+        except BaseException:
+            if abandoned is not None:
+                abandoned()
+            raise
 
 
 class AsyncTurn:
@@ -105,17 +113,25 @@ class AsyncTurn:
                 await asyncio.wait_for(self._event.wait(), timeout)
         return bool(self._event.is_set())
 
-    async def wait_until(self, admitted: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ``admitted()`` (asked again after each wake-up); False if ``timeout`` seconds passed first."""
+    async def wait_until(
+        self, admitted: Callable[[], bool], timeout: float | None, *, abandoned: Callable[[], None] | None = None
+    ) -> bool:
+        """Wait until ``admitted()`` (asked again after each wake-up); False if ``timeout`` seconds passed first.
+        ``abandoned``: called if the wait ends in an exception (cancelled), before it propagates."""
         end = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self.clear()  # before the check: a wake-up after it finds the event set
-            if admitted():
-                return True
-            remaining = None if end is None else end - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                return False
-            await self.wait(remaining)
+        try:
+            while True:
+                self.clear()  # before the check: a wake-up after it finds the event set
+                if admitted():
+                    return True
+                remaining = None if end is None else end - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                await self.wait(remaining)
+        except BaseException:
+            if abandoned is not None:
+                abandoned()
+            raise
 
 
 def _in_trio() -> bool:

@@ -185,15 +185,10 @@ async def _admission(run: GuardedRequest, timeout: float | None) -> Admission[As
     # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop that
     # runs: the turn is made here, in the waiter's own, and woken thread-safely (_core/turns.py).
     admission = Admission.of(run, AsyncTurn)
-    if admission is None or not admission.waits:
-        return admission
-    try:
-        if not await admission.turn.wait_until(admission.admitted, timeout):
+    if admission is not None and admission.waits:
+        admitted = await admission.turn.wait_until(admission.admitted, timeout, abandoned=admission.leave)
+        if not admission.waited(admitted):
             raise httpcore.ConnectTimeout(admission.timeout_message(timeout))
-    except BaseException:  # timed out or cancelled while waiting: give the place up
-        admission.leave()
-        raise
-    admission.waited()
     return admission
 
 

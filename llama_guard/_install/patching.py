@@ -128,7 +128,7 @@ class Installation:
         self._lock = threading.Lock()
         self._sessions = InstalledSessions(self._guard_policy, self.stats, self._registry)
         # requests sessions and urllib3 pools (requests_pools.py): their pools, hooked at their first guarded request.
-        self._urllib3_pools = InstalledPools(self._guard_policy, self.stats, self._registry)
+        self.urllib3_pools = InstalledPools(self._guard_policy, self.stats, self._registry)
 
     def __repr__(self) -> str:
         origins = self.origins if isinstance(self.origins, str) else [str(origin) for origin in self.origins]
@@ -186,7 +186,7 @@ class Installation:
             self._pools = weakref.WeakKeyDictionary()
             self._guards = weakref.WeakKeyDictionary()
         self._sessions.release()
-        self._urllib3_pools.release()
+        self.urllib3_pools.release()
 
 
 def _resolve(module_name: str, name: str) -> Any:

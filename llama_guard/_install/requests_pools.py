@@ -74,7 +74,7 @@ class InstalledPools:
 
 def patch_if_imported(current: Any) -> None:
     """Wrap urllib3's ``urlopen`` and requests' ``HTTPAdapter.send`` if those modules are imported (and not
-    wrapped yet). ``current``: the active installation, whose ``_urllib3_pools`` serve the wrappers."""
+    wrapped yet). ``current``: the active installation, whose ``urllib3_pools`` serve the wrappers."""
     if current is None:
         return
     urllib3 = sys.modules.get("urllib3")
@@ -127,7 +127,7 @@ def _installed_guard() -> Any:
     from .patching import installation
 
     current = installation()
-    return None if current is None else current._urllib3_pools.guard()
+    return None if current is None else current.urllib3_pools.guard()
 
 
 def _urlopen_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

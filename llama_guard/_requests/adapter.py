@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import requests
@@ -19,10 +18,12 @@ import requests.adapters
 
 from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
+from .._core.request_options import request_options
 from .._core.result import GuardResult
 from .._core.stats import GuardStats
 from .exceptions import guarded_requests_error
-from .pool_guard import OPTIONS, PoolGuard, result_of_urllib3
+from .internals import wrap_new_pool
+from .pool_guard import PoolGuard, result_of_urllib3
 
 __all__ = ["GUARD_ATTRIBUTE", "GuardAdapter", "guard_of", "guard_session", "request_options", "result_of"]
 
@@ -133,14 +134,14 @@ def raise_guarded(exc: requests.RequestException) -> None:
 
 def hook_manager(manager: Any, guard: PoolGuard) -> None:
     """Put ``guard`` on every pool a urllib3 ``PoolManager`` (or ``ProxyManager``) has and makes."""
-    manager._new_pool = functools.partial(_new_pool, manager, type(manager)._new_pool, guard)
+    wrap_new_pool(manager, _new_pool, guard)
     pools = manager.pools
     for key in list(pools.keys()):  # a RecentlyUsedContainer: keys() copies under its lock
         with contextlib.suppress(KeyError):
             guard.hook(pools[key])
 
 
-def _new_pool(manager: Any, new_pool: Any, guard: PoolGuard, *args: Any, **kwargs: Any) -> Any:
+def _new_pool(manager: Any, new_pool: Any, guard: PoolGuard, *args: Any, **kwargs: Any) -> Any:  # see hook_manager
     pool = new_pool(manager, *args, **kwargs)
     guard.hook(pool)
     return pool
@@ -227,24 +228,6 @@ def _send(adapter: Any, original: Any, request: Any, *args: Any, **kwargs: Any) 
     except requests.RequestException as exc:
         raise_guarded(exc)
         raise
-
-
-@contextlib.contextmanager
-def request_options(**overrides: Any) -> Iterator[None]:
-    """Options for the guarded requests this thread sends inside the block (``GuardPolicy`` fields, as httpx's
-    ``request.extensions["llama_guard"]``)::
-
-        with request_options(first_byte_timeout=2.0):
-            response = session.post(...)
-
-    Unknown fields (or ``origins``, which belongs to the adapter) raise `ValueError` here, naming what is allowed.
-    """
-    GuardPolicy().merged(overrides)  # validates now, where the mistake is
-    token = OPTIONS.set({**(OPTIONS.get() or {}), **overrides})
-    try:
-        yield
-    finally:
-        OPTIONS.reset(token)
 
 
 def result_of(response: Any) -> GuardResult | None:

@@ -118,16 +118,11 @@ def _admission(run: Urllib3Run, timeout: Any) -> Admission[ThreadTurn] | None:
     """This connection's place in its origin's queue, once its turn has come (`Admission`), or None when the origin
     lets connections open freely now. The wait is bounded by the connect timeout."""
     admission = Admission.of(run, ThreadTurn)
-    if admission is None or not admission.waits:
-        return admission
-    bound = float(timeout) if isinstance(timeout, (int, float)) else None
-    try:
-        if not admission.turn.wait_until(admission.admitted, bound):
-            raise ConnectTimeoutError(admission.timeout_message(bound))  # a connect that timed out: nothing sent
-    except BaseException:  # timed out or interrupted while waiting: give the place up
-        admission.leave()
-        raise
-    admission.waited()
+    if admission is not None and admission.waits:
+        bound = float(timeout) if isinstance(timeout, (int, float)) else None
+        admitted = admission.turn.wait_until(admission.admitted, bound, abandoned=admission.leave)
+        if not admission.waited(admitted):  # a connect that timed out: nothing sent
+            raise ConnectTimeoutError(admission.timeout_message(bound))
     return admission
 
 

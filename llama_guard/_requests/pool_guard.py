@@ -17,7 +17,6 @@ never the product of the two budgets. A one-shot body (a generator, a file) is n
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import io
 import threading
@@ -38,14 +37,16 @@ from .._core.origin_probes import PROBE_BOOK
 from .._core.origin_stats import CountsPerOrigin
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
+from .._core.request_options import current_options
 from .._core.request_state import RETRIED_STATUSES
 from .._core.result import GuardResult, new_result
 from .._core.retry_schedule import RetrySchedule
 from .._core.stats import GuardStats
 from .attempts import CURRENT_RUN, RequestView, Url, Urllib3Run, caller_read_timeout
 from .connections import guarded_connection_class, original_connection_class
+from .internals import pool_timeout, wrap_connection_handout
 
-__all__ = ["OPTIONS", "PoolGuard", "pool_guard_of", "result_of_urllib3"]
+__all__ = ["PoolGuard", "pool_guard_of", "result_of_urllib3"]
 
 # urlopen's parameters in order, so that a positional call is read as keywords.
 _PARAMS = (
@@ -70,11 +71,6 @@ _DROP_ATTRIBUTE = "_llama_guard_drop"
 _IDLE_ATTRIBUTE = "_llama_guard_idle_since"
 # The attribute of a hooked pool: the guard that hooked it, and what the pool was before.
 _HOOK_ATTRIBUTE = "_llama_guard_pool"
-
-# Per-request options, set by `request_options()` (``llama_guard.requests``) for the requests of this thread.
-OPTIONS: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
-    "llama_guard_requests_options", default=None
-)
 
 
 def result_of_urllib3(response: object) -> GuardResult | None:
@@ -154,8 +150,7 @@ class PoolGuard(CountsPerOrigin):
             guarded = guarded_connection_class(pool.ConnectionCls)
             pool.ConnectionCls = guarded
             _swap_idle_connections(pool, guarded_connection_class)
-            pool._put_conn = functools.partial(_put_conn, pool, type(pool)._put_conn)
-            pool._get_conn = functools.partial(_get_conn, pool, type(pool)._get_conn)
+            wrap_connection_handout(pool, _put_conn, _get_conn)
             if self.explicit:
                 pool.urlopen = functools.partial(self.urlopen, pool, functools.partial(type(pool).urlopen, pool))
             setattr(pool, _HOOK_ATTRIBUTE, hook)
@@ -210,7 +205,7 @@ class PoolGuard(CountsPerOrigin):
 
     def _guarded(self, pool: Any, original: Any, origin: Origin, call: dict[str, Any]) -> BaseHTTPResponse:
         started = time.monotonic()
-        overrides = OPTIONS.get()
+        overrides = current_options()
         policy = self.policy if overrides is None else self.policy.merged(overrides)
         method = str(call["method"]).upper()
         body = call.get("body")
@@ -385,7 +380,7 @@ class _FirstAttempt:
             headers = call.get("headers")
             read = None
             if policy.first_byte_timeout is not None:  # the caller's read timeout matters to the deadline alone
-                read = caller_read_timeout(pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT)))
+                read = caller_read_timeout(pool_timeout(pool, call.get("timeout", Timeout.DEFAULT_TIMEOUT)))
             path = str(call["url"]).partition("?")[0]
             view = RequestView(
                 self.method,
@@ -441,7 +436,7 @@ class _Attempt:
         call = first.call
         self.timeout = None
         if run.policy.first_byte_timeout is not None:
-            self.timeout = first.pool._get_timeout(call.get("timeout", Timeout.DEFAULT_TIMEOUT))
+            self.timeout = pool_timeout(first.pool, call.get("timeout", Timeout.DEFAULT_TIMEOUT))
         if run.close_connection and not first.closes:  # not already on the first attempt's copy
             headers = call.get("headers")
             call = {**call, "headers": _with_connection_close(headers if headers is not None else first.pool.headers)}
