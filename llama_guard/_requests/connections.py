@@ -18,24 +18,8 @@ from typing import Any
 
 from urllib3.exceptions import ConnectTimeoutError
 
+from .._core import probe_machine
 from .._core.origin_probes import Admission
-from .._core.probe_machine import (
-    READ_SIZE,
-    Abort,
-    Broken,
-    Cancelled,
-    Kick,
-    Kicked,
-    ProbeMachine,
-    ProbeState,
-    Read,
-    Received,
-    Start,
-    TimedOut,
-    Usable,
-    Write,
-    Written,
-)
 from .._core.request_state import MAX_SOCKET_WAIT
 from .._core.turns import ThreadTurn
 from .attempts import CURRENT_RUN, Urllib3Run
@@ -132,52 +116,52 @@ def _probe(connection: Any, run: Urllib3Run) -> None:
     request was written, and the guard sends it again on a fresh connection."""
     sock = connection.sock
     before = sock.gettimeout()
-    machine = ProbeMachine(run, socket=sock)
-    action = machine.next(Start())
+    machine = probe_machine.ProbeMachine(run, socket=sock)
+    action = machine.next(probe_machine.Start())
     try:
         while True:
-            if isinstance(action, Write):
+            if isinstance(action, probe_machine.Write):
                 sock.settimeout(min(action.timeout, MAX_SOCKET_WAIT))
                 try:
                     sock.sendall(action.data)
-                    event: Any = Written()
+                    event: Any = probe_machine.Written()
                 except TimeoutError:
-                    event = TimedOut()
+                    event = probe_machine.TimedOut()
                 except OSError as error:
-                    event = Broken(error)
-            elif isinstance(action, Read):
+                    event = probe_machine.Broken(error)
+            elif isinstance(action, probe_machine.Read):
                 sock.settimeout(min(action.timeout, MAX_SOCKET_WAIT))
                 try:
-                    event = Received(sock.recv(READ_SIZE))
+                    event = probe_machine.Received(sock.recv(probe_machine.READ_SIZE))
                 except TimeoutError:
-                    event = TimedOut()
+                    event = probe_machine.TimedOut()
                 except OSError as error:
-                    event = Broken(error)
-            elif isinstance(action, Kick):
+                    event = probe_machine.Broken(error)
+            elif isinstance(action, probe_machine.Kick):
                 event = _kick(action)
-            elif isinstance(action, Usable):
+            elif isinstance(action, probe_machine.Usable):
                 sock.settimeout(before)
                 return
             else:
                 _abort(connection, run, action)
             action = machine.next(event)
     except BaseException:
-        if machine.state is not ProbeState.DONE:  # interrupted (KeyboardInterrupt, a signal's exception)
-            machine.next(Cancelled())
+        if machine.state is not probe_machine.ProbeState.DONE:  # interrupted (KeyboardInterrupt, a signal's exception)
+            machine.next(probe_machine.Cancelled())
             connection.close()
         raise
 
 
-def _kick(action: Kick) -> Kicked:
+def _kick(action: probe_machine.Kick) -> probe_machine.Kicked:
     """Open a bare TCP connection and close it at once, writing nothing (`GuardPolicy.probe_kick`)."""
     try:
         socket.create_connection((action.host, action.port), timeout=action.timeout).close()
     except OSError as error:
-        return Kicked(error)
-    return Kicked()
+        return probe_machine.Kicked(error)
+    return probe_machine.Kicked()
 
 
-def _abort(connection: Any, run: Urllib3Run, action: Abort) -> None:
+def _abort(connection: Any, run: Urllib3Run, action: probe_machine.Abort) -> None:
     connection.close()
     guard = run.guard
     if action.watch is not None:

@@ -31,7 +31,7 @@ import requests
 import urllib3.exceptions as u3
 
 from .._core.decisions import FailureKind
-from .._core.errors import GuardError
+from .._core.errors import GuardedClasses, GuardError
 from .._core.log import without_quoted_values
 
 __all__ = [
@@ -119,20 +119,8 @@ def error_text(exc: BaseException) -> str:
     return without_quoted_values(str(reason_of(exc)))
 
 
-_GUARDED: dict[type[BaseException], type[BaseException]] = {}
-
-
-def _guarded_class(base: type[BaseException]) -> type[BaseException]:
-    """``Guarded<X>``: a subclass of both X and `GuardError`, made once per class (a module attribute)."""
-    if issubclass(base, GuardError):
-        return base
-    cls = _GUARDED.get(base)
-    if cls is None:
-        name = f"Guarded{base.__name__}"
-        cls = type(name, (GuardError, base), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = cls
-        _GUARDED[base] = cls
-    return cls
+# Guarded<X> for each urllib3 and requests error class X (a module attribute each).
+_GUARDED: GuardedClasses[BaseException] = GuardedClasses(globals())
 
 
 def _copy_as(cls: type[BaseException], exc: BaseException, args: tuple[Any, ...]) -> Any:
@@ -148,7 +136,7 @@ def guarded_urllib3_error(
 ) -> BaseException:
     """The urllib3 error to raise once the guard stops: the same class (``MaxRetryError`` keeps its ``reason``),
     whose message is the guard's account."""
-    error = _copy_as(_guarded_class(type(exc)), exc, (message,))
+    error = _copy_as(_GUARDED.of(type(exc)), exc, (message,))
     error.attempts, error.elapsed, error.history = attempts, elapsed, history
     return error  # type: ignore[no-any-return]
 
@@ -161,7 +149,7 @@ def guarded_requests_error(exc: requests.RequestException) -> requests.RequestEx
         return exc
     reason = reason_of(inner)
     cls: type[BaseException] = next(
-        (ours for theirs, ours in _PROBE_CLASSES if isinstance(reason, theirs)), _guarded_class(type(exc))
+        (ours for theirs, ours in _PROBE_CLASSES if isinstance(reason, theirs)), _GUARDED.of(type(exc))
     )
     error = _copy_as(cls, exc, exc.args)
     error.attempts, error.elapsed, error.history = inner.attempts, inner.elapsed, inner.history
