@@ -71,7 +71,10 @@ def test_guard_is_idempotent_and_rewraps_for_a_new_policy() -> None:
 def test_guard_rejects_what_is_not_an_httpx_client() -> None:
     with pytest.raises(
         TypeError,
-        match=r"guard\(\) takes an httpx\.Client or httpx\.AsyncClient \(or their httpx2 twins\) or a requests\.Session; got str",
+        match=(
+            r"guard\(\) takes an httpx\.Client or httpx\.AsyncClient \(or their httpx2 twins\) "
+            r"or a requests\.Session; got str"
+        ),
     ):
         llama_guard.guard("client")  # type: ignore[type-var]
 
