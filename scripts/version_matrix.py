@@ -54,6 +54,8 @@ ROWS = (
             "tenacity==8.3.0",
             "wrapt==2.5.0",
             "aiohttp==3.12.15",
+            "requests==2.31.0",
+            "urllib3==2.0.7",
         ),
         "the lowest versions the pins allow, on the lowest Python (httpx2 needs 3.11: its tests skip and say so)",
     ),
@@ -106,7 +108,7 @@ def prepare(row: Row) -> Path:
 def versions(python: Path) -> str:
     code = (
         "import importlib.metadata as m, sys\n"
-        "names = ('httpx', 'httpcore', 'httpx2', 'httpcore2', 'aiohttp', 'h11', 'anyio')\n"
+        "names = ('httpx', 'httpcore', 'httpx2', 'httpcore2', 'aiohttp', 'requests', 'urllib3', 'h11', 'anyio')\n"
         "def v(n):\n"
         "    try: return m.version(n)\n"
         "    except m.PackageNotFoundError: return '-'\n"

@@ -7,8 +7,6 @@ tests/test_install_subprocess.py covers the other import orders in fresh interpr
 from __future__ import annotations
 
 import re
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +18,8 @@ import pytest
 import llama_guard
 from llama_guard import GuardPolicy
 from llama_guard.testing import LlamaServerEmulator
+
+from ._recording_server import RecordingServer
 
 CHAT = "/v1/chat/completions"
 LIBRARIES = {"httpx": httpx, "httpx2": httpx2}
@@ -109,86 +109,6 @@ def test_auto_mode_learns_llama_servers_from_their_server_header(racy_server: Ll
     assert isinstance(second.extensions["llama_guard"], llama_guard.GuardResult)
     assert installation.known_origins() == {llama_guard.Origin.of("http", "127.0.0.1", racy_server.port)}
     assert installation.stats.snapshot().requests == 1
-
-
-class RecordingServer:
-    """A plain HTTP/1.1 server that is not llama-server: records every byte it receives, per connection.
-
-    Answers each request with a fixed keep-alive response: chunked SSE when the body asks for a stream, JSON
-    otherwise. One thread per connection; requests are framed by Content-Length only (all this test sends).
-    """
-
-    def __init__(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.received: list[bytes] = []
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._accepting = threading.Thread(target=self._accept, daemon=True)
-        self._accepting.start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
-
-    def _serve(self, connection: socket.socket) -> None:
-        with self._lock:
-            index = len(self.received)
-            self.received.append(b"")
-        buffer = b""
-        with connection:
-            while True:
-                head_end = buffer.find(b"\r\n\r\n")
-                if head_end < 0:
-                    data = connection.recv(65536)
-                    if not data:
-                        return
-                    buffer += data
-                    with self._lock:
-                        self.received[index] += data
-                    continue
-                head = buffer[:head_end].decode("latin-1").lower()
-                length = 0
-                for line in head.split("\r\n")[1:]:
-                    name, _, value = line.partition(":")
-                    if name.strip() == "content-length":
-                        length = int(value)
-                while len(buffer) < head_end + 4 + length:
-                    data = connection.recv(65536)
-                    if not data:
-                        return
-                    buffer += data
-                    with self._lock:
-                        self.received[index] += data
-                body = buffer[head_end + 4 : head_end + 4 + length]
-                buffer = buffer[head_end + 4 + length :]
-                connection.sendall(self._answer(b'"stream": true' in body or b'"stream":true' in body))
-
-    @staticmethod
-    def _answer(stream: bool) -> bytes:
-        if stream:
-            events = b'data: {"n": 1}\n\n', b"data: [DONE]\n\n"
-            chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n"
-            head = b"HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: text/event-stream\r\n"
-            return head + b"Transfer-Encoding: chunked\r\nKeep-Alive: timeout=5\r\n\r\n" + chunks
-        body = b'{"ok": true}'
-        return b"HTTP/1.1 200 OK\r\nServer: nginx\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
-            len(body),
-            body,
-        )
-
-    def close(self) -> None:
-        self._listener.close()
 
 
 def exchange_with(url: str) -> list[tuple[int, list[tuple[str, str]], bytes, list[str]]]:

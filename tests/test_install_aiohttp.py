@@ -15,7 +15,7 @@ from llama_guard import GuardPolicy
 from llama_guard.aiohttp import guard_of, guard_result, guarded_session
 from llama_guard.testing import LlamaServerEmulator
 
-from .test_install import RecordingServer
+from ._recording_server import RecordingServer
 
 CHAT = "/v1/chat/completions"
 REQUESTS = 30

@@ -20,7 +20,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 import llama_guard
 from llama_guard.testing import LlamaServerEmulator
 
-from .test_install import RecordingServer
+from ._recording_server import RecordingServer
 
 LIBRARIES = {"httpx": httpx, "httpx2": httpx2}
 FLAVORS = ("sync", "asyncio")

@@ -34,7 +34,7 @@ from llama_guard import GuardPolicy
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import ClientSockets
-from .test_install import RecordingServer
+from ._recording_server import RecordingServer
 
 CHAT = "/v1/chat/completions"
 #: Requests of a sequential run: non-streamed, streamed, non-streamed, ... on one session.
