@@ -131,6 +131,35 @@ def test_a_provisional_choice_reported_late_never_replaces_the_final_one() -> No
     assert stats.snapshot().connection_strategies[str(other)] == str(provisional)
 
 
+def test_an_origin_account_records_choices_as_its_transport_does() -> None:
+    """A choice announced through an origin's account (what a request with per-request state does when its sample
+    decides) is kept by the account and its transport alike; a late provisional one replaces neither (this raised
+    AttributeError on the account: it kept no record of final choices)."""
+    connections = OriginConnections(REMOTE)
+    provisional = connections.choice("auto")
+    for _ in range(MIN_CONNECTS):
+        connections.connected(0.0001)
+    for _ in range(MIN_REQUESTS):
+        final = connections.answered(1.0)
+    assert final is not None
+    stats = llama_guard.GuardStats()
+    account = stats.of_origin("httpx", REMOTE)
+    announce_choice(REMOTE, provisional, account)
+    announce_choice(REMOTE, final, account)
+    announce_choice(REMOTE, provisional, account)
+    for counts in (account, stats):
+        assert counts.snapshot().connection_strategies == {str(REMOTE): str(final)}
+
+
+def test_an_origin_account_has_every_attribute_of_guard_stats() -> None:
+    """OriginStats builds itself without GuardStats.__init__ (its counts go to its parent): every attribute that
+    GuardStats sets must exist on an account too, or the method that uses it fails on accounts only."""
+    stats = llama_guard.GuardStats()
+    account = stats.of_origin("httpx", REMOTE)
+    missing = {name for name in vars(stats) if not hasattr(account, name)}
+    assert not missing
+
+
 async def requests_in_a_row(flavor: str, url: str, policy: GuardPolicy, count: int) -> object:
     driver = make_driver(flavor, guarded=True, base_url=url, policy=policy)
     try:

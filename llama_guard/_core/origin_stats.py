@@ -43,6 +43,24 @@ COUNTS = (
 )
 
 
+class _ParentCondition:
+    """A condition of an origin's account that is its parent's (``stats.probing_off``...): read and set there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, account: OriginStats | None, owner: type) -> Any:
+        if account is None:
+            return self
+        parent = account._parent()
+        return None if parent is None else getattr(parent, self._name)
+
+    def __set__(self, account: OriginStats, value: str | None) -> None:
+        parent = account._parent()
+        if parent is not None:
+            setattr(parent, self._name, value)
+
+
 class OriginStats(GuardStats):
     """The counts of one origin through one stack: a `GuardStats` whose counts go to its parent too.
 
@@ -59,6 +77,7 @@ class OriginStats(GuardStats):
         self.stack = stack
         self.origin = origin
         self.connection_strategies: dict[str, str] = {}
+        self._final_strategies: set[str] = set()  # as GuardStats keeps them: see record_connection_choice
         GuardStats.reset(self)
 
     def of_origin(self, stack: str, origin: Origin) -> GuardStats:
@@ -126,38 +145,10 @@ class OriginStats(GuardStats):
 
     # -- the parent's conditions ---------------------------------------------------------------------------------
 
-    @property
-    def public_path(self) -> str | None:
-        parent = self._parent()
-        return None if parent is None else parent.public_path
-
-    @public_path.setter
-    def public_path(self, value: str | None) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.public_path = value
-
-    @property
-    def probing_off(self) -> str | None:
-        parent = self._parent()
-        return None if parent is None else parent.probing_off
-
-    @probing_off.setter
-    def probing_off(self, value: str | None) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.probing_off = value
-
-    @property
-    def late_answers_unseen(self) -> str | None:
-        parent = self._parent()
-        return None if parent is None else parent.late_answers_unseen
-
-    @late_answers_unseen.setter
-    def late_answers_unseen(self, value: str | None) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.late_answers_unseen = value
+    public_path = _ParentCondition()
+    probing_off = _ParentCondition()
+    late_answers_unseen = _ParentCondition()
+    bypassed = _ParentCondition()
 
     def snapshot(self) -> StatsSnapshot:
         """`GuardStats.snapshot`, with every condition the parent reports (any ``str | None`` attribute it has that
