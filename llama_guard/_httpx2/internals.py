@@ -8,8 +8,9 @@ and ``_mounts`` in `guard()`. None of that is public API: it is done here only, 
 versions in `TESTED_VERSIONS`. On any other version `untested_versions()` names it, the transports log one
 warning, patch nothing private and follow requests through httpcore's public ``trace`` extension instead, which
 still probes new connections and drops the connection after a stream. `guard()` needs only httpx's attributes: it
-works on any httpcore, and refuses an untested httpx (`untested_client_version()`). Upper pins in
-``pyproject.toml`` match.
+works on any httpcore; on an untested httpx it checks that the client's ``_transport`` and ``_mounts`` are what it
+sets (`client_layout_problem()`), logs the same one warning and wraps them, and refuses only a client laid out
+otherwise. Upper pins in ``pyproject.toml`` match.
 
 The httpx2 flavour of this module (``_httpx2/internals.py``) is generated, so it reads httpcore2's and httpx2's
 versions.
@@ -34,6 +35,7 @@ __all__ = [
     "TESTED_VERSIONS",
     "cap_keepalive_expiry",
     "check_versions",
+    "client_layout_problem",
     "client_transports",
     "fix_pool_race",
     "bypassing_mounts",
@@ -75,9 +77,24 @@ def untested_versions() -> str | None:
 
 
 def untested_client_version() -> str | None:
-    """None when the imported httpx is a version in `TESTED_VERSIONS` (`guard()` may set a client's ``_transport``
-    and ``_mounts``); else why not, naming it. httpcore's version does not matter there."""
+    """None when the imported httpx is a version in `TESTED_VERSIONS` (`guard()` sets a client's ``_transport``
+    and ``_mounts``); else why not, naming it (the transports it makes log it). httpcore's version does not
+    matter there."""
     return _untested(httpx)
+
+
+def client_layout_problem(client: Any) -> str | None:
+    """None when ``client`` keeps its transport in ``_transport`` and its mounts in a ``_mounts`` dict of
+    transports (or None), as every httpx `guard()` was tested with does; else what differs. Asked on an untested
+    httpx, where a renamed attribute would leave the client silently unguarded."""
+    transport = getattr(client, "_transport", None)
+    base = (httpx.BaseTransport, httpx.AsyncBaseTransport)
+    if not isinstance(transport, base):
+        return f"its _transport is {type(transport).__name__}, not an httpx transport"
+    mounts = getattr(client, "_mounts", None)
+    if not isinstance(mounts, dict) or not all(m is None or isinstance(m, base) for m in mounts.values()):
+        return "its _mounts is not a dict of httpx transports"
+    return None
 
 
 def _untested(module: types.ModuleType) -> str | None:

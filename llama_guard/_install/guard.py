@@ -28,9 +28,10 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
     URL, headers, auth, timeouts, limits, proxies and event hooks stay as they were: only the transports are
     wrapped. A transport that is already guarded is left as it is, or re-wrapped when a different ``policy`` is
     given. The transports it wraps count into one `GuardStats`: ``llama_guard.stats_of(client)``. httpx offers no
-    public way to replace a client's transports, so this sets the client's ``_transport`` and ``_mounts``: only on
-    the httpx/httpx2 versions llama_guard was tested with (RuntimeError otherwise). On an untested httpcore it
-    works as `GuardTransport` does there: one warning, and the guard on httpcore's public API.
+    public way to replace a client's transports, so this sets the client's ``_transport`` and ``_mounts``. On an
+    httpx (or httpcore) llama_guard was not tested with it works as `GuardTransport` and `install()` do there: one
+    warning naming the version, and the guard on httpcore's public API; it refuses (RuntimeError) only a client
+    whose ``_transport`` and ``_mounts`` are not the transport and dict of transports it would replace.
     """
     if _is_requests_session(client):
         # Imported only for a requests session, so that llama_guard never needs requests otherwise.
@@ -39,11 +40,12 @@ def guard(client: ClientT, *, policy: GuardPolicy | None = None) -> ClientT:
         return guard_session(client, policy=policy)  # type: ignore[arg-type, return-value]
     guard_class, internals = _guard_class_for(client)
     untested = internals.untested_client_version()
-    if untested is not None:
+    problem = internals.client_layout_problem(client) if untested is not None else None
+    if problem is not None:
         raise RuntimeError(
-            f"guard(client) replaces the client's private attributes _transport and _mounts, and {untested}; "
-            "build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) instead, "
-            "or call llama_guard.install()"
+            f"guard(client) replaces the client's private attributes _transport and _mounts, and {untested}, where "
+            f"{problem}; build the client with transport=llama_guard.GuardTransport() (or AsyncGuardTransport) "
+            "instead, or call llama_guard.install()"
         )
 
     shared: list[GuardStats] = []  # one account for the client: made with its first guard
