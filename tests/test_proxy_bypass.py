@@ -1,5 +1,6 @@
 """A guard given as ``transport=`` to a client that also has ``proxy=`` never sees a request (httpx mounts its own
-proxy transport for every URL): said once, and in ``stats.bypassed``, when the client closes."""
+proxy transport for every URL): said once, and in ``stats.bypassed``, when the client enters its transports
+(``with``) or else when it closes."""
 
 from __future__ import annotations
 
@@ -21,13 +22,36 @@ def _fresh_warnings() -> None:
 
 
 def test_a_proxied_client_that_bypasses_the_guard_is_said(caplog: pytest.LogCaptureFixture) -> None:
-    """transport=GuardTransport() with proxy=: closing the client says the guard was bypassed, and stats too."""
+    """transport=GuardTransport() with proxy=: entering the client says the guard is bypassed, before any request,
+    and stats too; closing it says nothing more."""
     guard = llama_guard.GuardTransport()
     with caplog.at_level(logging.WARNING, logger="llama_guard"), httpx.Client(transport=guard, proxy=PROXY):
+        assert guard.stats.bypassed is not None
+        assert "all://" in guard.stats.bypassed
+    said = [r for r in caplog.records if "is bypassed" in r.getMessage()]
+    assert len(said) == 1
+    assert "guard(client)" in said[0].getMessage()
+
+
+def test_a_client_used_without_with_is_said_when_it_closes(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that is never entered is looked at when it closes."""
+    guard = llama_guard.GuardTransport()
+    client = httpx.Client(transport=guard, proxy=PROXY)
+    assert guard.stats.bypassed is None
+    with caplog.at_level(logging.WARNING, logger="llama_guard"):
+        client.close()
+    assert guard.stats.bypassed is not None
+    assert [r for r in caplog.records if "is bypassed" in r.getMessage()]
+
+
+def test_a_partial_bypass_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """mounts= for one scheme sends that scheme round the guard while the other goes through it: said too."""
+    guard = llama_guard.GuardTransport()
+    mounts = {"https://": httpx.HTTPTransport()}
+    with caplog.at_level(logging.WARNING, logger="llama_guard"), httpx.Client(transport=guard, mounts=mounts):
         pass
     assert guard.stats.bypassed is not None
-    assert "all://" in guard.stats.bypassed
-    assert any("saw no request" in r.getMessage() and "guard(client)" in r.getMessage() for r in caplog.records)
+    assert "https://" in guard.stats.bypassed
 
 
 @pytest.mark.anyio
@@ -38,7 +62,7 @@ async def test_the_async_guard_says_it_too(caplog: pytest.LogCaptureFixture) -> 
         async with httpx.AsyncClient(transport=guard, proxy=PROXY):
             pass
     assert guard.stats.bypassed is not None
-    assert any("saw no request" in r.getMessage() for r in caplog.records)
+    assert any("is bypassed" in r.getMessage() for r in caplog.records)
 
 
 def test_an_unused_client_without_proxy_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
@@ -47,7 +71,7 @@ def test_an_unused_client_without_proxy_says_nothing(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="llama_guard"), httpx.Client(transport=guard):
         pass
     assert guard.stats.bypassed is None
-    assert not [r for r in caplog.records if "saw no request" in r.getMessage()]
+    assert not [r for r in caplog.records if "is bypassed" in r.getMessage()]
 
 
 def test_guard_of_a_proxied_client_wraps_the_proxy_transport() -> None:

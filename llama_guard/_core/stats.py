@@ -177,7 +177,7 @@ class StatsSnapshot:
     # Why a connection whose probe was given up could not be watched for a late answer (the transport gave no
     # socket to duplicate): false alarms then go uncounted. None while every given-up connection was watched.
     late_answers_unseen: str | None = None
-    # Why this guard saw no request although its client was used: the client sent through transports of its own
+    # Why some of its client's requests go round this guard: the client sends them through transports of its own
     # (httpx's proxy= mounts one); None otherwise. Worked out when the transport closes without a request.
     bypassed: str | None = None
     # The connection strategy in force per origin ("close (a loopback address: ...)"; GuardPolicy.connection).

@@ -121,7 +121,7 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         else:
             self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
         self._hooked = pool is not None
-        self._used = False  # a request came: the client does send through this transport
+        self._bypass_checked = False  # whether its client was looked at for transports that send round it
         # How the wrapped transport connects: through a Unix socket (a new connection costs no round trip), and
         # whether HTTP/2 may carry a request (no Connection: close there; h2c with prior knowledge: no probe).
         self._http1, self._http2 = http_versions(self._transport)
@@ -154,19 +154,23 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         return f"<{type(self).__name__} {self._policy!r} around {type(self._transport).__name__}>"
 
     async def __aenter__(self) -> AsyncGuardTransport:
+        self._say_if_bypassed()  # a client entering its transports: before any request
         await self._transport.__aenter__()
         return self
 
     async def aclose(self) -> None:
-        if not self._used:
-            self._say_if_bypassed()
+        self._say_if_bypassed()
         self._given_up.end_all()
         STALL_LOG.flush()
         await self._transport.aclose()
 
     def _say_if_bypassed(self) -> None:
-        """Closed without a request: if its client mounted transports of its own (``proxy=``), they sent round the
-        guard. Said once per process, and in ``stats.bypassed``."""
+        """If its client mounted transports of its own (``proxy=``, ``mounts=``), they send round the guard: said
+        once per process, and in ``stats.bypassed``. Looked at once, when the client enters its transports (``with``)
+        or else when it closes them."""
+        if self._bypass_checked:
+            return
+        self._bypass_checked = True
         patterns = bypassing_mounts(self)
         if not patterns:
             return
@@ -175,13 +179,12 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             "requests round this guard"
         )
         WARN_ONCE.warning(
-            f"llama_guard: {type(self).__name__} saw no request: {self.stats.bypassed}. Guard the client with "
+            f"llama_guard: {type(self).__name__} is bypassed: {self.stats.bypassed}. Guard the client with "
             "llama_guard.guard(client) (it wraps the mounted transports too), or mount the guard: "
             "mounts={'all://': GuardTransport(httpx.HTTPTransport(proxy=...))}"
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self._used = True
         origin = None
         if not self._every_origin:
             origin = Origin.of_url(request.url)
