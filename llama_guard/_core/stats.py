@@ -178,7 +178,7 @@ class StatsSnapshot:
     # socket to duplicate): false alarms then go uncounted. None while every given-up connection was watched.
     late_answers_unseen: str | None = None
     # Why some of its client's requests go round this guard: the client sends them through transports of its own
-    # (httpx's proxy= mounts one); None otherwise. Worked out when the transport closes without a request.
+    # (httpx's proxy= mounts one); None otherwise. Worked out when the client enters or closes its transports.
     bypassed: str | None = None
     # The connection strategy in force per origin ("close (a loopback address: ...)"; GuardPolicy.connection).
     connection_strategies: dict[str, str] = field(default_factory=dict)
