@@ -29,7 +29,7 @@ from llama_guard._install import installation as active_installation
 from llama_guard.testing import LlamaServerEmulator
 
 CHAT = "/v1/chat/completions"
-EXTRAS = {"aiohttp": "aiohttp", "httpx2": "httpx2"}  # extra -> the module it brings
+EXTRAS = {"aiohttp": "aiohttp", "httpx2": "httpx2", "requests": "requests"}  # extra -> the module it brings
 REQUESTS = 6  # every other one streamed: unguarded, the emulator drops each request after a stream
 
 
