@@ -20,12 +20,13 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
     missing_extra(exc, feature="llama_guard.aiohttp", extra="aiohttp", modules=("aiohttp",))
 
-from ._aiohttp.connector import KEEPALIVE_TIMEOUT, GuardConnector
+from ._aiohttp.connector import GuardConnector
 from ._aiohttp.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._aiohttp.internals import TESTED_VERSIONS
 from ._aiohttp.middleware import GuardMiddleware, guard_result, request_options
 from ._aiohttp.session import guard_of, guard_session, guarded_session, unguard_session
 from ._core.errors import GuardError
+from ._core.llama_server import CLIENT_KEEPALIVE as KEEPALIVE_TIMEOUT
 from ._core.policy import GuardPolicy
 from ._core.result import GuardResult
 from ._core.stats import GuardStats

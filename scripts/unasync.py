@@ -35,16 +35,17 @@ UNASYNC: Rules = (
     (r"an httpx async transport", "an httpx transport"),
     (r"An httpx async transport", "An httpx transport"),
     (r"\bAsyncGuardTransport\b", "GuardTransport"),
+    (r"\b_AsyncAttempts\b", "_SyncAttempts"),
+    (r"\bAsyncAttemptIO\b", "SyncAttemptIO"),
     (r"\b_AsyncDropAfterStream\b", "_SyncDropAfterStream"),
     (r"\b_AsyncTracer\b", "_SyncTracer"),
+    (r"\bAsyncStreamIO\b", "SyncStreamIO"),
     (r"\basync_connections\b", "sync_connections"),
+    (r"\basync_drive\b", "sync_drive"),
     (r"\bhttpx\.AsyncBaseTransport\b", "httpx.BaseTransport"),
     (r"\bhttpx\.AsyncHTTPTransport\b", "httpx.HTTPTransport"),
     (r"\bhttpx\.AsyncByteStream\b", "httpx.SyncByteStream"),
-    (r"\bhttpcore\.AnyIOBackend\(\)", "httpcore.SyncBackend()"),
     (r"\bhandle_async_request\b", "handle_request"),
-    (r"\banyio\.sleep\b", "time.sleep"),
-    (r"^import anyio\n", ""),
     (r"\basync def\b", "def"),
     (r"\bawait ", ""),
     (r"\b__aenter__\b", "__enter__"),
@@ -82,13 +83,36 @@ NETWORK_DOCSTRING: Rules = (
 )
 NETWORK_UNASYNC: Rules = (
     (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
+    (r"\bAsyncStreamIO\b", "SyncStreamIO"),
+    (r"\bAsyncConnectionIO\b", "SyncConnectionIO"),
     (r"\b_AsyncAfterTls\b", "_SyncAfterTls"),
     (r"\b_AsyncCreateConnection\b", "_SyncCreateConnection"),
     (r"\b_AsyncFirstRequest\b", "_SyncFirstRequest"),
-    (r"\bAsyncTurn\b", "ThreadTurn"),
+    (r"\basync_drive\b", "sync_drive"),
     (r"\bhandle_async_request\b", "handle_request"),
     (r"\bhttpcore\.AsyncNetworkBackend\b", "httpcore.NetworkBackend"),
     (r"\bhttpcore\.AsyncNetworkStream\b", "httpcore.NetworkStream"),
+    (r"\basync def\b", "def"),
+    (r"\bawait ", ""),
+    (r"\baclose\b", "close"),
+)
+
+# The shared drive loops (``_drive/async_drive.py``): library-neutral, so only a sync twin (no httpx2 one).
+DRIVE_DOCSTRING: Rules = (
+    (
+        r"This file is the source of truth: ``scripts/unasync.py`` generates ``sync_drive.py`` from it, and CI checks "
+        r"that it\nis current\.",
+        "This file is generated from ``async_drive.py`` by ``scripts/unasync.py``.",
+    ),
+)
+DRIVE_UNASYNC: Rules = (
+    (r"\bAsyncAttemptIO\b", "SyncAttemptIO"),
+    (r"\bAsyncConnectionIO\b", "SyncConnectionIO"),
+    (r"\bAsyncTurn\b", "ThreadTurn"),
+    (r"\banyio\.sleep\b", "time.sleep"),
+    (r"^import anyio\n", ""),
+    (r"\bhttpcore\.AnyIOBackend\(\)", "httpcore.SyncBackend()"),
+    (r" in any event loop \(anyio\)", " in any thread"),
     (r"\basync def\b", "def"),
     (r"\bawait ", ""),
     (r"\baclose\b", "close"),
@@ -128,9 +152,11 @@ class Job:
 
 SOURCE = PACKAGE / "_httpx"
 HTTPX2 = PACKAGE / "_httpx2"
+DRIVE = PACKAGE / "_drive"
 TRANSPORT = SOURCE / "async_transport.py"
 CONNECTIONS = SOURCE / "async_connections.py"
 JOBS: tuple[Job, ...] = (
+    Job(DRIVE / "async_drive.py", DRIVE / "sync_drive.py", DRIVE_DOCSTRING + DRIVE_UNASYNC),
     Job(TRANSPORT, SOURCE / "sync_transport.py", UNASYNC_DOCSTRING + UNASYNC),
     Job(TRANSPORT, HTTPX2 / "async_transport.py", HTTPX2_DOCSTRING + httpx2_rules(TRANSPORT)),
     Job(TRANSPORT, HTTPX2 / "sync_transport.py", HTTPX2_DOCSTRING + UNASYNC + httpx2_rules(TRANSPORT)),

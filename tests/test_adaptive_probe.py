@@ -23,15 +23,17 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy, Origin
-from llama_guard._core.late_answers import WatchedConnection
-from llama_guard._core.log import STALL_LOG, StallLog
-from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_BOOK, OriginProbes, ProbeBook
-from llama_guard._core.request_state import RequestState
+from llama_guard._core import connection_machine as connection
+from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_SLICE, Admission, OriginProbes
 from llama_guard._core.stats import GuardStats
-from llama_guard._core.turns import AsyncTurn, ThreadTurn
+from llama_guard._drive import async_drive, sync_drive
+from llama_guard._runtime import PROCESS
+from llama_guard._runtime.stall_log import StallLog
+from llama_guard._runtime.turns import AsyncTurn, ThreadTurn
 from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
 
 from ._drivers import FLAVORS, Driver, close_driver, each_asks_then_close, episode_log, make_driver, run_scenario
+from ._machines import give_up, machine_for, probing
 from .test_mechanisms import CHAT, burst, chat
 
 ORIGIN = Origin("http", "127.0.0.1", 1)
@@ -163,22 +165,19 @@ def test_waiters_in_other_threads_and_event_loops_are_woken() -> None:
     order: list[str] = []
     results: dict[str, bool] = {}
 
-    def admit_and_leave(name: str, ticket: int) -> bool:
-        if not probes.admit(ticket):
-            return False
-        order.append(name)
-        probes.leave(ticket)  # the next waiter is woken from this thread and loop
-        return True
+    def admitted(name: str, admission: Admission[Any], came: bool) -> bool:
+        if came:
+            order.append(name)
+            admission.leave()  # the next waiter is woken from this thread and loop
+        return came
 
     def sync_waiter() -> None:
-        turn = ThreadTurn()
-        ticket = probes.take_ticket(turn)
-        results["sync"] = turn.wait_until(lambda: admit_and_leave("sync", ticket), 30.0)
+        admission = Admission(probes, GuardStats(), ThreadTurn())
+        results["sync"] = admitted("sync", admission, sync_drive._wait_for_turn(admission, 30.0))
 
     async def async_waiter(name: str) -> None:
-        turn = AsyncTurn()
-        ticket = probes.take_ticket(turn)
-        results[name] = await turn.wait_until(lambda: admit_and_leave(name, ticket), 30.0)
+        admission = Admission(probes, GuardStats(), AsyncTurn())
+        results[name] = admitted(name, admission, await async_drive._wait_for_turn(admission, 30.0))
 
     threads = [
         threading.Thread(target=sync_waiter),
@@ -216,7 +215,7 @@ def test_admission_modes(mode: Any, given_up: bool, needed: bool) -> None:
 
 
 def origin_of(server: LlamaServerEmulator) -> OriginProbes:
-    return PROBE_BOOK.of(Origin("http", "127.0.0.1", server.port))
+    return PROCESS.probes.of(Origin("http", "127.0.0.1", server.port))
 
 
 async def new_connections(flavor: str, url: str, policy: GuardPolicy, count: int, **request: Any) -> list[Driver]:
@@ -247,11 +246,11 @@ def wait_until(condition: Any, what: str, timeout: float = 30.0) -> None:
 def test_reset_probe_learning_forgets_every_origin() -> None:
     """`llama_guard.testing.reset_probe_learning()`: what was learnt is gone, the configured deadline is back."""
     policy = GuardPolicy()
-    probes = PROBE_BOOK.of(ORIGIN)
+    probes = PROCESS.probes.of(ORIGIN)
     answered(probes, *(0.001,) * LEARN_AFTER)
     assert probes.deadline(policy) == policy.probe_timeout_min
     reset_probe_learning()
-    fresh = PROBE_BOOK.of(ORIGIN)
+    fresh = PROCESS.probes.of(ORIGIN)
     assert fresh is not probes
     assert (fresh.answers_seen(), fresh.deadline(policy)) == (0, policy.probe_timeout)
 
@@ -607,7 +606,7 @@ def test_one_warning_per_stall_episode(
     stall is the deterministic one (12 of 16 connections), not the timing race, which a loaded machine may not
     lose."""
     caplog.set_level(logging.DEBUG, logger="llama_guard")
-    STALL_LOG.flush()  # an earlier test's episode, whose server may have had this test's port
+    PROCESS.stalls.flush()  # an earlier test's episode, whose server may have had this test's port
     caplog.clear()
     server = stalling_server
     clients = server.config.stall_burst or 0
@@ -643,53 +642,49 @@ def test_an_episode_flushed_early_names_the_time_it_lasted(caplog: pytest.LogCap
 def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
     """After a probe was given up, the request's next probes wait the configured ladder (0.5, 1, 2 s by default):
     a server that turned slow since the guard learnt costs the request a reconnect, never its attempts."""
-    policy = GuardPolicy(probe_kick=False)
-    book = ProbeBook()
-    request = httpx.Request("POST", f"http://{ORIGIN.host}:{ORIGIN.port}{CHAT}")
-    state = RequestState(
-        request, ORIGIN, policy, GuardStats(), None, body=b"{}", stream=False, started=time.monotonic(), book=book
-    )
-    answered(state.origin_probes, *(0.001,) * LEARN_AFTER)
-    deadlines = [state.next_probe_deadline()]
+    policy = GuardPolicy(probe_kick=False, connection="reuse")
+    request = machine_for(policy)
+    answered(request.plan.origin_probes, *(0.001,) * LEARN_AFTER)
+    probes = [probing(request)]
     for _ in range(3):
-        state.probe_started()
-        state.probe_given_up(deadlines[-1], WatchedConnection(None))
-        deadlines.append(state.next_probe_deadline())
+        give_up(probes[-1])
+        probes.append(probing(request))
+    deadlines = [probe.write.timeout for probe in probes]
     assert deadlines == [pytest.approx(policy.probe_timeout_min), 0.5, 1.0, 2.0]
 
 
 def test_with_kicks_the_learnt_deadline_is_when_the_kicks_go() -> None:
     """With kicks (the default) a first probe waits ``probe_timeout``; its kicks go at the learnt deadline, then 2,
     4, 8... times it, none at or after the give-up; between kicks the probe looks again at the next one."""
-    policy = GuardPolicy()
+    policy = GuardPolicy(connection="reuse")
     assert policy.probe_kick
-    state = RequestState(
-        httpx.Request("POST", f"http://{ORIGIN.host}:{ORIGIN.port}{CHAT}"),
-        ORIGIN,
-        policy,
-        GuardStats(),
-        None,
-        body=b"{}",
-        stream=False,
-        started=time.monotonic(),
-        book=ProbeBook(),
-    )
-    assert state.next_probe_deadline() == policy.probe_timeout
-    state.probe_started()
+    request = machine_for(policy)
+    probe = probing(request)
+    assert probe.write.timeout == policy.probe_timeout
     # Nothing learnt yet: kicks at a quarter and half of the probe's deadline, none at the give-up.
-    assert state.next_kick() == pytest.approx(0.125)
-    state.probe_kicked()
-    assert state.next_kick() == pytest.approx(0.25)
-    state.probe_kicked()
-    assert state.next_kick() is None
-    state.probe_started()  # the next probe, once the origin's answers taught a deadline
-    answered(state.origin_probes, *(0.001,) * LEARN_AFTER)
-    assert state.probe_wait(0.01, 0.49) == (False, pytest.approx(0.04))  # wait for the first kick, not longer
+    assert probe.machine.next(connection.Written()) == connection.Read(pytest.approx(PROBE_SLICE))
     kicks = []
-    while (at := state.next_kick()) is not None:
-        assert state.probe_wait(at, policy.probe_timeout - at) == (True, 0.0)
+    for at in (0.125, 0.25):
+        probe.clock.now = at
+        assert isinstance(probe.machine.next(connection.TimedOut()), connection.Kick)
         kicks.append(at)
-        state.probe_kicked()
+        action = probe.machine.next(connection.Kicked())
+    assert kicks == [0.125, 0.25]
+    probe.clock.now = 0.49
+    assert isinstance(action, connection.Read)
+    assert probe.machine.next(connection.TimedOut()) == connection.Read(pytest.approx(0.01))  # no kick at the end
+    # The next probe, once the origin's answers taught a deadline: kicks at it, then 2, 4, 8 times it.
+    answered(request.plan.origin_probes, *(0.001,) * LEARN_AFTER)
+    probe = probing(request)
+    probe.clock.now = 0.01
+    assert probe.machine.next(connection.Written()) == connection.Read(pytest.approx(0.02))
+    kicks = []
+    for at in (0.05, 0.1, 0.2, 0.4):
+        probe.clock.now = at
+        assert isinstance(probe.machine.next(connection.TimedOut()), connection.Kick)  # not waited past
+        kicks.append(at)
+        action = probe.machine.next(connection.Kicked())
     assert kicks == pytest.approx([0.05, 0.1, 0.2, 0.4])
-    assert state.probe_wait(0.45, 0.05) == (False, 0.05)  # the kicks are spent: wait for the give-up
-    assert state.stats.snapshot().probe_kicks == 6
+    probe.clock.now = 0.45
+    assert probe.machine.next(connection.TimedOut()) == connection.Read(pytest.approx(0.02))  # then the give-up
+    assert request.plan.stats.snapshot().probe_kicks == 6

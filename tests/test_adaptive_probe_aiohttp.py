@@ -18,8 +18,9 @@ aiohttp = pytest.importorskip("aiohttp")
 
 import llama_guard.aiohttp as guard_aiohttp  # noqa: E402
 from llama_guard import GuardPolicy, Origin  # noqa: E402
-from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_BOOK, OriginProbes  # noqa: E402
-from llama_guard._core.turns import ThreadTurn  # noqa: E402
+from llama_guard._core.origin_probes import LEARN_AFTER, OriginProbes  # noqa: E402
+from llama_guard._runtime import PROCESS  # noqa: E402
+from llama_guard._runtime.turns import ThreadTurn  # noqa: E402
 from llama_guard.testing import Fault, LlamaServerEmulator  # noqa: E402
 
 from ._aiohttp_driver import AiohttpDriver, make_aiohttp_driver  # noqa: E402
@@ -29,7 +30,7 @@ BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def origin_of(server: LlamaServerEmulator) -> OriginProbes:
-    return PROBE_BOOK.of(Origin("http", "127.0.0.1", server.port))
+    return PROCESS.probes.of(Origin("http", "127.0.0.1", server.port))
 
 
 async def new_connections(url: str, policy: GuardPolicy, count: int, timeout: float = 10.0) -> list[AiohttpDriver]:

@@ -21,7 +21,7 @@ aiohttp = pytest.importorskip("aiohttp")
 import llama_guard  # noqa: E402
 import llama_guard.aiohttp as guard_aiohttp  # noqa: E402
 from llama_guard import GuardPolicy, GuardStats  # noqa: E402
-from llama_guard._core.origin_probes import PROBE_BOOK  # noqa: E402
+from llama_guard._runtime import PROCESS  # noqa: E402
 from llama_guard.testing import LlamaServerEmulator, open_burst  # noqa: E402
 
 from ._aiohttp_driver import AiohttpDriver, make_aiohttp_driver  # noqa: E402
@@ -152,7 +152,7 @@ def test_burst_stalls_plain_sessions_and_not_guarded_ones(clients: int) -> None:
     stats = GuardStats()
     with stalling_emulator() as server:
         guarded = asyncio.run(burst(server.url, server.port, True, clients, stats))
-        admitted = PROBE_BOOK.of(llama_guard.Origin("http", "127.0.0.1", server.port)).admitted()
+        admitted = PROCESS.probes.of(llama_guard.Origin("http", "127.0.0.1", server.port)).admitted()
     check_guarded_burst(guarded, server, stats, clients)
     snap = stats.snapshot()
     assert server.stats().connections_stalled == snap.probes_given_up == snap.probes_failed == stalled

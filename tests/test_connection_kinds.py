@@ -39,7 +39,7 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy
-from llama_guard._core.log import STALL_LOG, WARN_ONCE
+from llama_guard._runtime import PROCESS
 from llama_guard.testing import LlamaServerEmulator
 
 from ._connection_kinds import H2Relay, HttpProxy, Socks5Proxy, TlsRelay, UnixRelay, refused_port, tls_material
@@ -204,8 +204,8 @@ def kind_params(*, xfail: dict[str, str] | None = None, slow_async: bool = True)
 @pytest.fixture
 def quiet_once(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     """Warnings said once per process are said again in this test, and captured (DEBUG and up)."""
-    monkeypatch.setattr(WARN_ONCE, "_said", set())
-    STALL_LOG.flush()  # an earlier test's stall episode
+    monkeypatch.setattr(PROCESS.warnings, "_said", set())
+    PROCESS.stalls.flush()  # an earlier test's stall episode
     caplog.set_level(logging.DEBUG, logger="llama_guard")
     caplog.clear()
     return caplog

@@ -18,14 +18,13 @@ import llama_guard
 from llama_guard import GuardPolicy
 from llama_guard._core.connection_strategy import (
     CLOSE_COST_SHARE,
-    CONNECTION_BOOK,
     MIN_CONNECTS,
     MIN_REQUESTS,
     OriginConnections,
-    announce_choice,
     is_loopback_host,
 )
 from llama_guard._core.origins import Origin
+from llama_guard._runtime import PROCESS
 from llama_guard.testing import LlamaServerEmulator
 
 from ._drivers import FLAVORS, close_driver, make_driver, run_scenario
@@ -123,11 +122,11 @@ def test_a_provisional_choice_reported_late_never_replaces_the_final_one() -> No
     assert connections._measuring() is final  # the lock-free read in `choice` saw None; the locked one sees it
 
     stats = llama_guard.GuardStats()
-    announce_choice(REMOTE, final, stats)
-    announce_choice(REMOTE, provisional, stats)  # the late report
+    PROCESS.connections.announce(REMOTE, final, stats)
+    PROCESS.connections.announce(REMOTE, provisional, stats)  # the late report
     assert stats.snapshot().connection_strategies == {str(REMOTE): str(final)}
     other = Origin("http", "10.0.0.9", 8080)
-    announce_choice(other, provisional, stats)  # an origin still measuring reports it
+    PROCESS.connections.announce(other, provisional, stats)  # an origin still measuring reports it
     assert stats.snapshot().connection_strategies[str(other)] == str(provisional)
 
 
@@ -144,9 +143,9 @@ def test_an_origin_account_records_choices_as_its_transport_does() -> None:
     assert final is not None
     stats = llama_guard.GuardStats()
     account = stats.of_origin("httpx", REMOTE)
-    announce_choice(REMOTE, provisional, account)
-    announce_choice(REMOTE, final, account)
-    announce_choice(REMOTE, provisional, account)
+    PROCESS.connections.announce(REMOTE, provisional, account)
+    PROCESS.connections.announce(REMOTE, final, account)
+    PROCESS.connections.announce(REMOTE, provisional, account)
     for counts in (account, stats):
         assert counts.snapshot().connection_strategies == {str(REMOTE): str(final)}
 
@@ -174,7 +173,7 @@ async def requests_in_a_row(flavor: str, url: str, policy: GuardPolicy, count: i
 def test_default_on_loopback_closes_every_connection(flavor: str, caplog: pytest.LogCaptureFixture) -> None:
     """The default on loopback: every request on a new connection that the server closes, none probed; the result,
     stats and log (once) say close and why."""
-    CONNECTION_BOOK.forget()
+    PROCESS.connections.forget()
     with caplog.at_level(logging.INFO, logger="llama_guard"), LlamaServerEmulator() as server:
         driver = run_scenario(flavor, requests_in_a_row, flavor, server.url, GuardPolicy(), 6)
         stats = server.stats()
@@ -226,7 +225,7 @@ def test_a_request_may_override_the_strategy() -> None:
 def test_unix_socket_transport_closes_by_default(tmp_path: object) -> None:
     """A transport that connects through a Unix socket chooses close at once, whatever the URL's host."""
     transport = llama_guard.GuardTransport(httpx.HTTPTransport(uds=str(tmp_path) + "/nothing.sock"))
-    choice = transport._strategies.choice("http", "llama.example", 80, None, "auto")
+    choice = transport._guard.strategies.choice("http", "llama.example", 80, None, "auto")
     assert (choice.strategy, choice.final) == ("close", True)
     assert "Unix socket" in choice.reason
     transport.close()

@@ -1,332 +1,607 @@
-"""The core's state machines as tables: (state, event) -> action for a new connection's probe, and the retry
-schedule's delays by verdict. No socket, no event loop: the machines are driven by hand, on a clock of the test's."""
+"""The core's state machines as tables: (state, event) -> action, for one request's life (`RequestMachine`) and one
+new connection's (`ConnectionMachine`), with the counters after. Every pair a machine can meet has a row (checked
+against its transition table), and every other pair fails loudly. No socket, no event loop: the machines are driven
+by hand, on a clock of the test's."""
 
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
 
-from llama_guard import GuardPolicy, GuardStats
-from llama_guard._core.decisions import FailureKind, ProgressTracker
-from llama_guard._core.origin_probes import PROBE_SLICE, ProbeBook
-from llama_guard._core.origins import Origin
-from llama_guard._core.probe_machine import (
-    _TRANSITIONS,
-    Abort,
-    Broken,
-    Cancelled,
-    Kick,
-    Kicked,
-    ProbeMachine,
-    ProbeState,
-    Read,
-    Received,
-    Start,
-    TimedOut,
-    UnexpectedEvent,
-    Usable,
-    Write,
-    Written,
-)
-from llama_guard._core.request_state import RequestState
-from llama_guard._core.retry_schedule import RetrySchedule
+from llama_guard import GuardPolicy
+from llama_guard._core import connection_machine as connection
+from llama_guard._core import request_machine as request
+from llama_guard._core.decisions import FailureKind
+from llama_guard._core.origin_probes import PROBE_SLICE, Admission
 
-URL = "http://10.1.2.3:8080/v1/chat/completions"
-ORIGIN = Origin("http", "10.1.2.3", 8080)
+from ._machines import Clock, NoTurn, machine_for, plan_for
+
 OK = b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\nKeep-Alive: timeout=5\r\n\r\n{"status":"ok"}'
 OK_CLOSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
 LOADING_CLOSE = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+SHORT_ERROR = httpx.Headers({"content-length": "2"})
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def request_state(policy: GuardPolicy, stats: GuardStats | None = None) -> RequestState:
-    return RequestState(
-        httpx.Request("POST", URL),
-        ORIGIN,
-        policy,
-        stats or GuardStats(),
-        None,  # type: ignore[arg-type]  # the prober of old: the machine needs none
-        body=b"{}",
-        stream=False,
-        started=time.monotonic(),
-        book=ProbeBook(),
-    )
-
-
-NO_KICKS = GuardPolicy(connection="reuse", probe_kick=False, probe_timeout=0.5, probe_timeout_max=0.5)
+REUSE = GuardPolicy(connection="reuse", probe_kick=False, probe_timeout=0.5, probe_timeout_max=0.5, backoff=0.01)
 KICKS = GuardPolicy(connection="reuse", probe_kick=True, probe_timeout=0.5, probe_timeout_max=0.5)
+DEADLINE = GuardPolicy(connection="reuse", first_byte_timeout=2.0)
+CLOSE = GuardPolicy(connection="close")
+ADMITTING = GuardPolicy(connection="reuse", connect_admission="always")
+ONE_ATTEMPT = GuardPolicy(connection="reuse", max_attempts=1, max_loading_wait=0)
 
 
-@dataclass
-class Probe:
-    machine: ProbeMachine
-    run: RequestState
-    clock: Clock
+# -- one request's life ---------------------------------------------------------------------------------------------
+
+RS = request.RequestState
 
 
-def probe_in(state: ProbeState, policy: GuardPolicy = NO_KICKS) -> Probe:
-    """A probe brought to ``state`` by the events a driver would report."""
-    clock = Clock()
-    run = request_state(policy)
-    machine = ProbeMachine(run, clock=clock)
-    if state is not ProbeState.IDLE:
-        machine.next(Start())
-    if state is ProbeState.READING:
-        machine.next(Written())
-    elif state is ProbeState.KICKING:
-        clock.now += 0.2  # past the first kick: a quarter of the 0.5 s deadline with nothing learnt
-        assert isinstance(machine.next(Written()), Kick)
-    elif state is ProbeState.DONE:
-        machine.next(Written())
-        machine.next(Received(OK))
+def request_in(state: request.RequestState, policy: GuardPolicy = REUSE) -> request.RequestMachine:
+    """A request's machine brought to ``state`` by the events a driver would report."""
+    machine = plan_for(policy).start()
+    if state is RS.READY:
+        return machine
+    if state is RS.DONE:
+        machine.next(request.Begin())
+        machine.next(request.Answered(200, httpx.Headers(), False))
+        machine.next(request.Delivered(False))
+        return machine
+    machine.next(request.Begin())
+    if state is RS.READING_ERROR:
+        machine.next(request.Answered(503, SHORT_ERROR, False))
+    elif state is RS.WAITING:
+        machine.next(request.Failed(FailureKind.CONNECT, "ConnectError"))
+    elif state is RS.DELIVERING:
+        machine.next(request.Answered(200, httpx.Headers(), False))
     assert machine.state is state
-    return Probe(machine, run, clock)
+    return machine
 
 
-def aborted(timed_out: bool, *, unprobeable: bool = False) -> Callable[[Any], bool]:
-    def check(action: Any) -> bool:
-        return (
-            isinstance(action, Abort)
-            and action.timed_out is timed_out
-            and action.unprobeable is unprobeable
-            and (action.watch is not None) is timed_out
-        )
-
-    return check
+def is_(cls: type, **fields: Any) -> Callable[[Any], bool]:
+    return lambda action: isinstance(action, cls) and all(getattr(action, k) == v for k, v in fields.items())
 
 
-# (state to start in, event, what the action must be, the state after, the counters after)
-ROWS: list[tuple[str, ProbeState, Any, Callable[[Any], bool], ProbeState, dict[str, int]]] = [
+def sleeping(action: Any) -> bool:
+    return isinstance(action, request.Sleep) and 0 <= action.seconds <= REUSE.backoff_max
+
+
+# (name, policy, state to start in, event, what the action must be, the state after, the machine's counts after)
+REQUEST_ROWS: list[tuple[str, GuardPolicy, RS, Any, Callable[[Any], bool], RS, dict[str, Any]]] = [
+    ("begin", REUSE, RS.READY, request.Begin(), is_(request.Send, attempt=1, close_connection=False), RS.SENDING, {}),
     (
-        "start",
-        ProbeState.IDLE,
-        Start(),
-        lambda a: isinstance(a, Write) and a.data.startswith(b"GET /health ") and a.timeout == 0.5,
-        ProbeState.WRITING,
-        {"probes_sent": 0},
+        "begin-with-deadline",
+        DEADLINE,
+        RS.READY,
+        request.Begin(),
+        is_(request.Send, first_byte_deadline=2.0),
+        RS.SENDING,
+        {"deadline_applied": True},
+    ),
+    ("begin-close", CLOSE, RS.READY, request.Begin(), is_(request.Send, close_connection=True), RS.SENDING, {}),
+    ("cancelled-before", REUSE, RS.READY, request.Cancelled(), is_(request.Reraise), RS.DONE, {"attempts": 0}),
+    (
+        "answered",
+        REUSE,
+        RS.SENDING,
+        request.Answered(200, httpx.Headers(), False),
+        is_(request.Deliver, drop_stream=False),
+        RS.DELIVERING,
+        {"attempts": 1},
     ),
     (
-        "written",
-        ProbeState.WRITING,
-        Written(),
-        lambda a: isinstance(a, Read) and a.timeout == PROBE_SLICE,
-        ProbeState.READING,
+        "answered-stream",
+        REUSE,
+        RS.SENDING,
+        request.Answered(200, httpx.Headers(), True),
+        is_(request.Deliver, drop_stream=True),
+        RS.DELIVERING,
         {},
     ),
-    ("write-timeout", ProbeState.WRITING, TimedOut(), aborted(True), ProbeState.DONE, {"probes_given_up": 1}),
     (
-        "write-broken",
-        ProbeState.WRITING,
-        Broken(OSError("reset")),
-        aborted(False),
-        ProbeState.DONE,
-        {"probes_failed": 1},
-    ),
-    ("write-cancelled", ProbeState.WRITING, Cancelled(), aborted(False), ProbeState.DONE, {"probes_failed": 0}),
-    (
-        "answer",
-        ProbeState.READING,
-        Received(OK),
-        lambda a: isinstance(a, Usable),
-        ProbeState.DONE,
-        {"probes_failed": 0, "probes_given_up": 0},
-    ),
-    ("part-of-answer", ProbeState.READING, Received(OK[:20]), lambda a: isinstance(a, Read), ProbeState.READING, {}),
-    (
-        "answer-then-close",
-        ProbeState.READING,
-        Received(OK_CLOSE),
-        aborted(False, unprobeable=True),
-        ProbeState.DONE,
-        {"probes_failed": 1},
+        "answered-stream-closed-by-header",
+        CLOSE,
+        RS.SENDING,
+        request.Answered(200, httpx.Headers(), True),
+        is_(request.Deliver, drop_stream=False),
+        RS.DELIVERING,
+        {},
     ),
     (
-        "loading-then-close",
-        ProbeState.READING,
-        Received(LOADING_CLOSE),
-        aborted(False),
-        ProbeState.DONE,
-        {"probes_failed": 1},
+        "answered-503",
+        REUSE,
+        RS.SENDING,
+        request.Answered(503, SHORT_ERROR, False),
+        is_(request.ReadErrorBody),
+        RS.READING_ERROR,
+        {},
     ),
     (
-        "answer-and-stray-bytes",
-        ProbeState.READING,
-        Received(OK + b"HTTP/1.1"),
-        aborted(False),
-        ProbeState.DONE,
-        {"probes_failed": 1},
-    ),
-    ("closed-unanswered", ProbeState.READING, Received(b""), aborted(False), ProbeState.DONE, {"probes_failed": 1}),
-    (
-        "not-http",
-        ProbeState.READING,
-        Received(b"SSH-2.0-OpenSSH\r\n\r\n"),
-        aborted(False),
-        ProbeState.DONE,
-        {"probes_failed": 1},
-    ),
-    ("slice-passed", ProbeState.READING, TimedOut(), lambda a: isinstance(a, Read), ProbeState.READING, {}),
-    (
-        "read-broken",
-        ProbeState.READING,
-        Broken(OSError("reset")),
-        aborted(False),
-        ProbeState.DONE,
-        {"probes_failed": 1},
-    ),
-    ("read-cancelled", ProbeState.READING, Cancelled(), aborted(False), ProbeState.DONE, {"probes_failed": 0}),
-    (
-        "kicked",
-        ProbeState.KICKING,
-        Kicked(),
-        lambda a: isinstance(a, Read),
-        ProbeState.READING,
-        {"probe_kicks": 1, "probe_kicks_failed": 0},
+        "answered-503-long-body",
+        REUSE,
+        RS.SENDING,
+        request.Answered(503, httpx.Headers({"content-length": "999999"}), False),
+        is_(request.Deliver, drop_stream=False),
+        RS.DELIVERING,
+        {},
     ),
     (
-        "kick-failed",
-        ProbeState.KICKING,
-        Kicked(OSError("refused")),
-        lambda a: isinstance(a, Read),
-        ProbeState.READING,
-        {"probe_kicks": 1, "probe_kicks_failed": 1},
+        "answered-429-no-retry-after",
+        REUSE,
+        RS.SENDING,
+        request.Answered(429, SHORT_ERROR, False),
+        is_(request.Deliver),
+        RS.DELIVERING,
+        {},
     ),
-    ("kick-cancelled", ProbeState.KICKING, Cancelled(), aborted(False), ProbeState.DONE, {"probe_kicks": 0}),
+    (
+        "failed-nothing-sent",
+        REUSE,
+        RS.SENDING,
+        request.Failed(FailureKind.CONNECT, "ConnectError"),
+        sleeping,
+        RS.WAITING,
+        {"reconnects": 0},
+    ),
+    (
+        "failed-probe",
+        REUSE,
+        RS.SENDING,
+        request.Failed(FailureKind.PROBE, "ProbeTimeout"),
+        sleeping,
+        RS.WAITING,
+        {"reconnects": 1},
+    ),
+    (
+        "failed-last-attempt",
+        ONE_ATTEMPT,
+        RS.SENDING,
+        request.Failed(FailureKind.CONNECT, "ConnectError"),
+        lambda a: isinstance(a, request.Fail) and "max_attempts=1 reached" in a.message and a.attempts == 1,
+        RS.DONE,
+        {},
+    ),
+    (
+        "failed-caller-timeout",
+        REUSE,
+        RS.SENDING,
+        request.Failed(FailureKind.CALLER_TIMEOUT, "PoolTimeout"),
+        lambda a: isinstance(a, request.Fail) and "not retried: the caller's own timeout expired" in a.message,
+        RS.DONE,
+        {},
+    ),
+    ("failed-not-network", REUSE, RS.SENDING, request.Failed(None), is_(request.Reraise), RS.DONE, {}),
+    ("cancelled-sending", REUSE, RS.SENDING, request.Cancelled(), is_(request.Reraise), RS.DONE, {}),
+    ("error-body-read", REUSE, RS.READING_ERROR, request.ErrorBodyRead(), sleeping, RS.WAITING, {}),
+    (
+        "error-body-read-last",
+        ONE_ATTEMPT,
+        RS.READING_ERROR,
+        request.ErrorBodyRead(),
+        is_(request.Deliver, drop_stream=False),
+        RS.DELIVERING,
+        {},
+    ),
+    ("error-body-failed", REUSE, RS.READING_ERROR, request.Failed(None), sleeping, RS.WAITING, {}),
+    ("error-body-cancelled", REUSE, RS.READING_ERROR, request.Cancelled(), is_(request.Reraise), RS.DONE, {}),
+    ("slept", REUSE, RS.WAITING, request.Slept(), is_(request.Send, attempt=2), RS.SENDING, {"attempts": 2}),
+    ("cancelled-waiting", REUSE, RS.WAITING, request.Cancelled(), is_(request.Reraise), RS.DONE, {}),
+    (
+        "delivered",
+        REUSE,
+        RS.DELIVERING,
+        request.Delivered(True),
+        lambda a: isinstance(a, request.Done) and a.result.attempts == 1 and a.result.connection_closed,
+        RS.DONE,
+        {},
+    ),
+    ("cancelled-delivering", REUSE, RS.DELIVERING, request.Cancelled(), is_(request.Reraise), RS.DONE, {}),
 ]
 
 
-def test_every_pair_the_machine_can_meet_has_a_row() -> None:
-    assert {(row[1], type(row[2])) for row in ROWS} == set(_TRANSITIONS)
+def test_every_pair_the_request_machine_can_meet_has_a_row() -> None:
+    assert {(row[2], type(row[3])) for row in REQUEST_ROWS} == set(request._TRANSITIONS)
 
 
-@pytest.mark.parametrize(("state", "event", "check", "after", "counts"), [pytest.param(*r[1:], id=r[0]) for r in ROWS])
-def test_probe_transitions(
-    state: ProbeState, event: Any, check: Callable[[Any], bool], after: ProbeState, counts: dict[str, int]
+@pytest.mark.parametrize(
+    ("policy", "state", "event", "check", "after", "counts"), [pytest.param(*r[1:], id=r[0]) for r in REQUEST_ROWS]
+)
+def test_request_transitions(
+    policy: GuardPolicy,
+    state: RS,
+    event: Any,
+    check: Callable[[Any], bool],
+    after: RS,
+    counts: dict[str, Any],
 ) -> None:
-    policy = KICKS if state is ProbeState.KICKING else NO_KICKS
-    probe = probe_in(state, policy)
-    action = probe.machine.next(event)
-    try:
-        assert check(action), action
-        assert probe.machine.state is after
-        snapshot = probe.run.stats.snapshot()
-        assert {name: getattr(snapshot, name) for name in counts} == counts
-    finally:
-        if isinstance(action, Abort) and action.watch is not None:
-            action.watch.end()
+    machine = request_in(state, policy)
+    action = machine.next(event)
+    assert check(action), action
+    assert machine.state is after
+    assert {name: getattr(machine, name) for name in counts} == counts
+
+
+REQUEST_EVENTS: dict[type, tuple[Any, ...]] = {
+    request.Begin: (),
+    request.Answered: (200, httpx.Headers(), False),
+    request.Failed: (None,),
+    request.ErrorBodyRead: (),
+    request.Slept: (),
+    request.Delivered: (False,),
+    request.Cancelled: (),
+}
 
 
 @pytest.mark.parametrize(
     ("state", "event"),
     [
         pytest.param(state, event, id=f"{state.value}-{event.__name__}")
-        for state, event in itertools.product(
-            ProbeState, (Start, Written, Received, TimedOut, Kicked, Broken, Cancelled)
-        )
-        if (state, event) not in _TRANSITIONS
+        for state, event in itertools.product(RS, REQUEST_EVENTS)
+        if (state, event) not in request._TRANSITIONS
     ],
 )
-def test_a_pair_the_machine_cannot_meet_fails_loudly(state: ProbeState, event: type) -> None:
-    probe = probe_in(state, KICKS if state is ProbeState.KICKING else NO_KICKS)
-    arguments = {Received: (b"",), Broken: (OSError(),)}.get(event, ())
-    with pytest.raises(UnexpectedEvent, match=f"state {state.value} cannot take {event.__name__}"):
-        probe.machine.next(event(*arguments))
+def test_a_pair_the_request_machine_cannot_meet_fails_loudly(state: RS, event: type) -> None:
+    machine = request_in(state)
+    with pytest.raises(request.UnexpectedEvent, match=f"state {state.value} cannot take {event.__name__}"):
+        machine.next(event(*REQUEST_EVENTS[event]))
 
 
-def test_a_probe_gives_up_at_its_deadline_and_kicks_before_it() -> None:
-    """Read slices until the deadline, then Abort(timed_out); with kicks, a Kick at a quarter and half of it."""
-    probe = probe_in(ProbeState.READING)
-    probe.clock.now += 0.49
-    assert isinstance(probe.machine.next(TimedOut()), Read)
-    probe.clock.now += 0.02
-    action = probe.machine.next(TimedOut())
-    assert aborted(True)(action), action
-    assert "within 0.5 s" in action.message  # type: ignore[union-attr]
-    action.watch.end()  # type: ignore[union-attr]
-
-    kicking = probe_in(ProbeState.READING, KICKS)
-    kicks = []
-    for _ in range(30):
-        kicking.clock.now += PROBE_SLICE
-        action = kicking.machine.next(Kicked() if kicking.machine.state is ProbeState.KICKING else TimedOut())
-        if isinstance(action, Kick):
-            kicks.append(round(kicking.clock.now - 100.0, 3))
-            assert (action.host, action.port) == ("10.1.2.3", 8080)
-        if isinstance(action, Abort):
-            action.watch.end()  # type: ignore[union-attr]
-            break
-    assert kicks == [0.14, 0.26], kicks  # the first slice at or past 0.125 s and 0.25 s
-
-
-# -- the retry schedule ---------------------------------------------------------------------------------------
-
-
-def judged_failure(run: RequestState, kind: FailureKind, *, new_connection: bool = True) -> None:
-    run.attempt_extensions(None)  # what a driver's attempt begins with: counted, the last verdict cleared
-    tracker = ProgressTracker(hooked=True)
-    if new_connection:
-        tracker.connecting()
-    run.tracker = tracker
-    run.judge_failure(kind, "ConnectError" if kind is FailureKind.CONNECT else "ReadError", "")
-
-
-def judged_status(run: RequestState, status: int, headers: dict[str, str]) -> None:
-    run.attempt_extensions(None)
-    run.judge_response(status, httpx.Headers({"content-length": "2", **headers}))
+def test_a_first_attempt_sent_as_it_is_carries_on_in_its_machine() -> None:
+    """A machine made during a first attempt that went out without one begins there: one attempt counted."""
+    plan = plan_for(REUSE)
+    assert plan.as_is
+    machine = plan.machine()
+    assert (machine.state, machine.attempts) == (RS.SENDING, 1)
+    assert plan.machine() is machine
 
 
 @pytest.mark.parametrize(
     ("policy", "outcomes", "delays"),
     [
-        pytest.param(GuardPolicy(), [(200, {})], [], id="answered"),
+        pytest.param(REUSE, [(200, {})], [], id="answered"),
         pytest.param(GuardPolicy(max_attempts=3), [(429, {"retry-after": "1"})] * 3, [1.0, 1.0], id="429-then-stop"),
         pytest.param(GuardPolicy(max_attempts=3), [(429, {"retry-after": "2"}), (200, {})], [2.0], id="429-then-ok"),
-        pytest.param(GuardPolicy(), [(404, {})], [], id="not-retried-status"),
+        pytest.param(REUSE, [(404, {})], [], id="not-retried-status"),
         pytest.param(GuardPolicy(max_attempts=2), [FailureKind.CONNECT] * 2, ["backoff"], id="connect-errors"),
         pytest.param(GuardPolicy(max_attempts=1), [FailureKind.CONNECT], [], id="one-attempt-allowed"),
     ],
 )
-def test_retry_schedule(policy: GuardPolicy, outcomes: list[Any], delays: list[Any]) -> None:
-    """The schedule's answer after each judged attempt: a delay while the rules allow another, then None."""
-    run = request_state(policy)
-    schedule = RetrySchedule(run)
+def test_retry_delays(policy: GuardPolicy, outcomes: list[Any], delays: list[Any]) -> None:
+    """The wait after each judged attempt while the rules allow another, then the end (a response or the error)."""
+    machine = plan_for(policy).start()
+    action = machine.next(request.Begin())
     seen: list[Any] = []
     for outcome in outcomes:
+        assert isinstance(action, request.Send)
         if isinstance(outcome, FailureKind):
-            judged_failure(run, outcome)
+            action = machine.next(request.Failed(outcome, "ConnectError"))
         else:
-            judged_status(run, *outcome)
-        delay = schedule.next_delay()
-        if delay is None:
+            status, headers = outcome
+            action = machine.next(request.Answered(status, httpx.Headers({"content-length": "2", **headers}), False))
+            if isinstance(action, request.ReadErrorBody):
+                action = machine.next(request.ErrorBodyRead())
+        if not isinstance(action, request.Sleep):
             break
+        delay = action.seconds
         seen.append(
             "backoff" if delays and delays[len(seen)] == "backoff" and 0 <= delay <= policy.backoff_max else delay
         )
+        action = machine.next(request.Slept())
     assert seen == delays
-    assert schedule.next_delay() is None  # asked again after the end: still the end
+    assert isinstance(action, (request.Deliver, request.Fail))
 
 
-def test_retry_schedule_waits_for_a_loading_server_without_spending_attempts() -> None:
+def test_a_loading_server_is_waited_for_without_spending_attempts() -> None:
     """503 "Loading model" without Retry-After: each loading answer costs no attempt; max_loading_wait bounds it."""
-    run = request_state(GuardPolicy(max_attempts=2, max_loading_wait=60))
-    schedule = RetrySchedule(run)
+    machine = plan_for(GuardPolicy(max_attempts=2, max_loading_wait=60)).start()
+    action = machine.next(request.Begin())
     for _ in range(5):
-        judged_status(run, 503, {})
-        assert schedule.next_delay() is not None
-    assert (run.attempts, run.loading_attempts) == (5, 5)
-    run.loading_since = time.monotonic() - 61  # the server has been loading longer than max_loading_wait
-    judged_status(run, 503, {})
-    assert schedule.next_delay() is None
+        assert isinstance(machine.next(request.Answered(503, SHORT_ERROR, False)), request.ReadErrorBody)
+        assert isinstance(machine.next(request.ErrorBodyRead()), request.Sleep)
+        action = machine.next(request.Slept())
+    assert isinstance(action, request.Send)
+    assert (machine.attempts, machine.pacing.loading_attempts) == (6, 5)
+    machine.pacing.loading_since = 0.0  # the server has been loading longer than max_loading_wait
+    machine.next(request.Answered(503, SHORT_ERROR, False))
+    assert isinstance(machine.next(request.ErrorBodyRead()), request.Deliver)
+
+
+# -- one new connection's life --------------------------------------------------------------------------------------
+
+CS = connection.ConnectionState
+
+
+class Connection:
+    def __init__(self, policy: GuardPolicy) -> None:
+        self.clock = Clock()
+        self.request = machine_for(policy)
+        self.machine = connection.ConnectionMachine(self.request, clock=self.clock)
+
+
+def connection_in(state: CS, policy: GuardPolicy = REUSE) -> Connection:
+    """A new connection's machine brought to ``state`` by the events a driver would report."""
+    made = Connection(ADMITTING if state is CS.ADMITTING else policy)
+    machine = made.machine
+    if state is CS.NEW:
+        return made
+    if state is CS.ADMITTING:
+        assert isinstance(machine.next(connection.Opening()), connection.Admit)
+        return made
+    machine.next(connection.Opening(tls_later=state is CS.AWAITING_TLS))
+    if state is CS.OPENING:
+        return made
+    machine.next(connection.Opened())
+    if state in (CS.AWAITING_TLS, CS.WRITING):
+        return made
+    machine.next(connection.Written())
+    if state is CS.KICKING:
+        made.clock.now = 0.2  # past the first kick: a quarter of the 0.5 s deadline with nothing learnt
+        assert isinstance(machine.next(connection.TimedOut()), connection.Kick)
+    elif state is CS.GIVING_UP:
+        made.clock.now = 0.6
+        assert isinstance(machine.next(connection.TimedOut()), connection.GiveUp)
+    elif state is CS.DONE:
+        machine.next(connection.Received(OK))
+    assert machine.state is state
+    return made
+
+
+def aborted(reason: str) -> Callable[[Any], bool]:
+    return lambda action: isinstance(action, connection.Abort) and action.reason == reason
+
+
+def watched() -> connection.Watched:
+    return connection.Watched(lambda: False, lambda: None)
+
+
+# (name, policy, state, event, what the action must be, state after, stats after)
+CONNECTION_ROWS: list[tuple[str, GuardPolicy, CS, Any, Callable[[Any], bool], CS, dict[str, int]]] = [
+    ("opening", REUSE, CS.NEW, connection.Opening(), is_(connection.Open), CS.OPENING, {}),
+    (
+        "opening-through-a-proxy",
+        REUSE,
+        CS.NEW,
+        connection.Opening(direct=False, proxy="10.9.9.9:3128"),
+        is_(connection.Open),
+        CS.OPENING,
+        {},
+    ),
+    ("admitted", REUSE, CS.ADMITTING, "admitted", is_(connection.Open), CS.OPENING, {}),
+    ("not-admitted", REUSE, CS.ADMITTING, "not admitted", aborted("connect timeout"), CS.DONE, {}),
+    ("cancelled-admitting", REUSE, CS.ADMITTING, connection.Cancelled(), aborted("raised"), CS.DONE, {}),
+    (
+        "opened",
+        REUSE,
+        CS.OPENING,
+        connection.Opened(),
+        lambda a: isinstance(a, connection.Write) and a.data.startswith(b"GET /health ") and a.timeout == 0.5,
+        CS.WRITING,
+        {"probes_sent": 0},  # counted once it is answered, failed or given up
+    ),
+    ("opened-h2", REUSE, CS.OPENING, connection.Opened(h2=True), is_(connection.Ready), CS.DONE, {"probes_sent": 0}),
+    ("opened-close", CLOSE, CS.OPENING, connection.Opened(), is_(connection.Ready), CS.DONE, {"probes_sent": 0}),
+    ("open-failed", REUSE, CS.OPENING, connection.OpenFailed(), aborted("raised"), CS.DONE, {}),
+    ("cancelled-opening", REUSE, CS.OPENING, connection.Cancelled(), aborted("raised"), CS.DONE, {}),
+    ("tls-done", REUSE, CS.AWAITING_TLS, connection.TlsDone(), is_(connection.Write), CS.WRITING, {}),
+    ("tls-failed", REUSE, CS.AWAITING_TLS, connection.OpenFailed(), aborted("raised"), CS.DONE, {}),
+    ("cancelled-tls", REUSE, CS.AWAITING_TLS, connection.Cancelled(), aborted("raised"), CS.DONE, {}),
+    ("written", REUSE, CS.WRITING, connection.Written(), is_(connection.Read, timeout=PROBE_SLICE), CS.READING, {}),
+    ("write-timeout", REUSE, CS.WRITING, connection.TimedOut(), is_(connection.GiveUp), CS.GIVING_UP, {}),
+    (
+        "write-broken",
+        REUSE,
+        CS.WRITING,
+        connection.Broken(OSError("reset")),
+        aborted("probe error"),
+        CS.DONE,
+        {"probes_failed": 1},
+    ),
+    ("cancelled-writing", REUSE, CS.WRITING, connection.Cancelled(), aborted("raised"), CS.DONE, {"probes_failed": 0}),
+    (
+        "answer",
+        REUSE,
+        CS.READING,
+        connection.Received(OK),
+        is_(connection.Ready),
+        CS.DONE,
+        {"probes_failed": 0, "probes_given_up": 0},
+    ),
+    ("part-of-answer", REUSE, CS.READING, connection.Received(OK[:20]), is_(connection.Read), CS.READING, {}),
+    (
+        "answer-then-close",
+        REUSE,
+        CS.READING,
+        connection.Received(OK_CLOSE),
+        aborted("probe error"),
+        CS.DONE,
+        {"probes_failed": 1},
+    ),
+    (
+        "loading-then-close",
+        REUSE,
+        CS.READING,
+        connection.Received(LOADING_CLOSE),
+        aborted("probe error"),
+        CS.DONE,
+        {"probes_failed": 1},
+    ),
+    (
+        "answer-and-stray-bytes",
+        REUSE,
+        CS.READING,
+        connection.Received(OK + b"HTTP/1.1"),
+        aborted("probe error"),
+        CS.DONE,
+        {"probes_failed": 1},
+    ),
+    (
+        "closed-unanswered",
+        REUSE,
+        CS.READING,
+        connection.Received(b""),
+        aborted("probe error"),
+        CS.DONE,
+        {"probes_failed": 1},
+    ),
+    ("slice-passed", REUSE, CS.READING, connection.TimedOut(), is_(connection.Read), CS.READING, {}),
+    (
+        "read-broken",
+        REUSE,
+        CS.READING,
+        connection.Broken(OSError("reset")),
+        aborted("probe error"),
+        CS.DONE,
+        {"probes_failed": 1},
+    ),
+    ("cancelled-reading", REUSE, CS.READING, connection.Cancelled(), aborted("raised"), CS.DONE, {"probes_failed": 0}),
+    (
+        "kicked",
+        KICKS,
+        CS.KICKING,
+        connection.Kicked(),
+        is_(connection.Read),
+        CS.READING,
+        {"probe_kicks": 1, "probe_kicks_failed": 0},
+    ),
+    (
+        "kick-failed",
+        KICKS,
+        CS.KICKING,
+        connection.Kicked(OSError("refused")),
+        is_(connection.Read),
+        CS.READING,
+        {"probe_kicks": 1, "probe_kicks_failed": 1},
+    ),
+    ("cancelled-kicking", KICKS, CS.KICKING, connection.Cancelled(), aborted("raised"), CS.DONE, {"probe_kicks": 0}),
+    (
+        "watched",
+        REUSE,
+        CS.GIVING_UP,
+        "watched",
+        lambda a: isinstance(a, connection.Abort) and a.reason == "probe timeout" and "within 0.5 s" in a.message,
+        CS.DONE,
+        {"probes_given_up": 1},
+    ),
+    ("cancelled-giving-up", REUSE, CS.GIVING_UP, connection.Cancelled(), aborted("raised"), CS.DONE, {}),
+]
+
+
+def connection_event(made: Connection, event: Any) -> Any:
+    """The events that need the machine's own objects: its admission, the watch of its given-up connection."""
+    if event == "admitted" or event == "not admitted":
+        plan = made.request.plan
+        admission = Admission(plan.origin_probes, plan.stats, NoTurn())
+        return connection.Admitted(admission) if event == "admitted" else connection.NotAdmitted(admission, 1.0)
+    if event == "watched":
+        return watched()
+    return event
+
+
+def test_every_pair_the_connection_machine_can_meet_has_a_row() -> None:
+    pairs = {(row[2], type(connection_event(Connection(REUSE), row[3]))) for row in CONNECTION_ROWS}
+    assert pairs == set(connection._TRANSITIONS)
+
+
+@pytest.mark.parametrize(
+    ("policy", "state", "event", "check", "after", "counts"), [pytest.param(*r[1:], id=r[0]) for r in CONNECTION_ROWS]
+)
+def test_connection_transitions(
+    policy: GuardPolicy,
+    state: CS,
+    event: Any,
+    check: Callable[[Any], bool],
+    after: CS,
+    counts: dict[str, int],
+) -> None:
+    made = connection_in(state, policy)
+    try:
+        action = made.machine.next(connection_event(made, event))
+        assert check(action), action
+        assert made.machine.state is after
+        snapshot = made.request.plan.stats.snapshot()
+        assert {name: getattr(snapshot, name) for name in counts} == counts
+    finally:
+        made.request.plan.guard.given_up.end_all()
+
+
+CONNECTION_EVENTS: dict[type, Any] = {
+    connection.Opening: connection.Opening(),
+    connection.Admitted: "admitted",
+    connection.NotAdmitted: "not admitted",
+    connection.Opened: connection.Opened(),
+    connection.TlsDone: connection.TlsDone(),
+    connection.OpenFailed: connection.OpenFailed(),
+    connection.Written: connection.Written(),
+    connection.Received: connection.Received(b""),
+    connection.TimedOut: connection.TimedOut(),
+    connection.Kicked: connection.Kicked(),
+    connection.Broken: connection.Broken(OSError()),
+    connection.Watched: "watched",
+    connection.Cancelled: connection.Cancelled(),
+}
+
+
+@pytest.mark.parametrize(
+    ("state", "event"),
+    [
+        pytest.param(state, event, id=f"{state.value}-{event.__name__}")
+        for state, event in itertools.product(CS, CONNECTION_EVENTS)
+        if (state, event) not in connection._TRANSITIONS
+    ],
+)
+def test_a_pair_the_connection_machine_cannot_meet_fails_loudly(state: CS, event: type) -> None:
+    made = connection_in(state, KICKS if state is CS.KICKING else REUSE)
+    with pytest.raises(connection.UnexpectedEvent, match=f"state {state.value} cannot take {event.__name__}"):
+        made.machine.next(connection_event(made, CONNECTION_EVENTS[event]))
+
+
+def test_a_proxy_or_h2c_is_said_once_and_not_probed(caplog: pytest.LogCaptureFixture) -> None:
+    """Never silent: a connection through a proxy, or on an HTTP/2-only pool, is opened unprobed, with one warning
+    per origin and reason and the reason in stats."""
+    from llama_guard._runtime import PROCESS
+
+    PROCESS.warnings.forget()
+    caplog.set_level("WARNING", logger="llama_guard")
+    for opening, reason in (
+        (connection.Opening(direct=False, proxy="10.9.9.9:3128"), "through a proxy at 10.9.9.9:3128"),
+        (connection.Opening(http1=False), "HTTP/2 only"),
+    ):
+        for _ in range(2):
+            made = Connection(REUSE)
+            assert isinstance(made.machine.next(opening), connection.Open)
+            assert isinstance(made.machine.next(connection.Opened()), connection.Ready)
+            assert reason in (made.request.plan.stats.probing_off or "")
+        assert len([r for r in caplog.records if reason in r.getMessage()]) == 1
+
+
+def test_kicks_go_to_a_unix_socket_through_it() -> None:
+    """A connection through a Unix socket is kicked through the socket, not the URL's TCP address."""
+    made = Connection(KICKS)
+    made.machine.next(connection.Opening(kick_path="/run/llama.sock"))
+    made.machine.next(connection.Opened())
+    made.machine.next(connection.Written())
+    made.clock.now = 0.2
+    assert made.machine.next(connection.TimedOut()) == connection.Kick("10.1.2.3", 8080, "/run/llama.sock")
+
+
+def test_a_probe_gives_up_at_its_deadline_and_kicks_before_it() -> None:
+    """Read slices until the deadline, then GiveUp; with kicks, a Kick at a quarter and half of it."""
+    made = connection_in(CS.READING)
+    made.clock.now = 0.49
+    assert isinstance(made.machine.next(connection.TimedOut()), connection.Read)
+    made.clock.now = 0.51
+    assert isinstance(made.machine.next(connection.TimedOut()), connection.GiveUp)
+
+    kicking = connection_in(CS.READING, KICKS)
+    kicks = []
+    for _ in range(30):
+        kicking.clock.now += PROBE_SLICE
+        state = kicking.machine.state
+        action = kicking.machine.next(connection.Kicked() if state is CS.KICKING else connection.TimedOut())
+        if isinstance(action, connection.Kick):
+            kicks.append(round(kicking.clock.now, 3))
+            assert (action.host, action.port) == ("10.1.2.3", 8080)
+        if isinstance(action, connection.GiveUp):
+            break
+    assert kicks == [0.14, 0.26], kicks  # the first slice at or past 0.125 s and 0.25 s

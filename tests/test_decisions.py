@@ -298,25 +298,19 @@ def test_a_tracker_fed_by_connection_hooks_assumes_the_worst_after_connecting() 
 
 
 @pytest.mark.parametrize(
-    ("body", "overrides", "deadline", "closes_connection", "hooks_follow", "as_is"),
+    ("body", "overrides", "deadline", "hooks_follow", "as_is"),
     [
-        (b"{}", False, False, False, True, True),  # the usual request: no per-request state
-        (None, False, False, False, True, False),  # a one-shot body must be kept for a retry
-        (b"{}", True, False, False, True, False),  # per-request options
-        (b"{}", False, True, False, True, False),  # a first-byte deadline to arm
-        (b"{}", False, False, True, True, False),  # Connection: close to add to a llama stream
-        (b"{}", False, False, False, False, False),  # the adapter cannot see the attempt's connection
-        (b"", False, False, False, True, True),  # an empty body is a body
+        (b"{}", False, False, True, True),  # the usual request: no per-request state
+        (None, False, False, True, False),  # a one-shot body must be kept for a retry
+        (b"{}", True, False, True, False),  # per-request options
+        (b"{}", False, True, True, False),  # a first-byte deadline to arm
+        (b"{}", False, False, False, False),  # the adapter cannot see the attempt's connection
+        (b"", False, False, True, True),  # an empty body is a body
     ],
 )
-def test_first_attempt_goes_as_is(body, overrides, deadline, closes_connection, hooks_follow, as_is) -> None:
+def test_first_attempt_goes_as_is(body, overrides, deadline, hooks_follow, as_is) -> None:
+    """Connection: close is no reason for per-request state: it goes on a copy of the caller's headers."""
     assert (
-        first_attempt_goes_as_is(
-            body,
-            has_overrides=overrides,
-            adds_deadline=deadline,
-            closes_connection=closes_connection,
-            hooks_follow=hooks_follow,
-        )
+        first_attempt_goes_as_is(body, has_overrides=overrides, adds_deadline=deadline, hooks_follow=hooks_follow)
         is as_is
     )

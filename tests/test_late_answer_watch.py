@@ -14,18 +14,17 @@ import threading
 import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from llama_guard import GuardPolicy, Origin
-from llama_guard._core.late_answers import Expiry, GivenUpWatches, WatchedConnection
-from llama_guard._core.log import WARN_ONCE
-from llama_guard._core.origin_probes import ProbeBook
-from llama_guard._core.request_state import RequestState
+from llama_guard import GuardPolicy
+from llama_guard._core.origin_probes import GivenUpWatches
 from llama_guard._core.stats import GuardStats
+from llama_guard._runtime import PROCESS
+from llama_guard._runtime.late_answers import Expiry, WatchedConnection
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import FLAVORS, ClientSockets, close_driver, make_driver, run_scenario, wait_until
+from ._machines import give_up, machine_for, probing
 from .test_mechanisms import CHAT, chat
 
 # Every stack the guard probes on: the httpx flavours and aiohttp.
@@ -99,24 +98,16 @@ def test_a_connection_that_cannot_be_watched_is_said_once_and_shown_in_stats(
 ) -> None:
     """Never silently: the first given-up probe whose connection cannot be watched logs one WARNING (per process),
     and the stats of every guard it happens to say so; the watch settles at once, and no answer is counted."""
-    monkeypatch.setattr(WARN_ONCE, "_said", set())
+    monkeypatch.setattr(PROCESS.warnings, "_said", set())
     caplog.set_level(logging.WARNING, logger="llama_guard")
     stats = [GuardStats(), GuardStats()]
     for each in stats + stats:
-        state = RequestState(
-            httpx.Request("GET", "http://127.0.0.1:9/health"),
-            Origin("http", "127.0.0.1", 9),
-            GuardPolicy(),
-            each,
-            None,
-            body=b"",
-            stream=False,
-            started=time.monotonic(),
-            book=ProbeBook(),
+        request = machine_for(
+            GuardPolicy(connection="reuse"), url="http://127.0.0.1:9/health", method="GET", stats=each
         )
-        state.probe_started()
-        watch = state.probe_given_up(0.5, WatchedConnection.of(None))
-        state.origin_probes.check_given_up()
+        give_up(probing(request), unseen=WatchedConnection.of(None).unseen)
+        [watch] = request.plan.guard.given_up._watches
+        request.plan.origin_probes.check_given_up()
         assert watch.settled
     warnings = [record.getMessage() for record in caplog.records if "could not be watched" in record.getMessage()]
     assert len(warnings) == 1

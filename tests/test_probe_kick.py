@@ -13,7 +13,6 @@ import functools
 import logging
 import re
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,17 +20,16 @@ import anyio
 import httpx
 import pytest
 
-from llama_guard import GuardPolicy, Origin
-from llama_guard._core.log import STALL_LOG, WARN_ONCE
-from llama_guard._core.origin_probes import ProbeBook
-from llama_guard._core.probe_machine import Kick
+from llama_guard import GuardPolicy
+from llama_guard._core import connection_machine as connection
 from llama_guard._core.stats import GuardStats
-from llama_guard._httpx.async_transport import _kick as async_kick
-from llama_guard._httpx.attempts import RequestRun
-from llama_guard._httpx.sync_transport import _kick as sync_kick
+from llama_guard._drive.async_drive import _kick as async_kick
+from llama_guard._drive.sync_drive import _kick as sync_kick
+from llama_guard._runtime import PROCESS
 from llama_guard.testing import LlamaServerEmulator, open_burst
 
 from ._drivers import FLAVORS, each_asks_then_close, episode_log, make_driver, run_scenario
+from ._machines import machine_for, probing
 from .test_mechanisms import CHAT, chat, poll
 
 HTTP_THREADS = 4
@@ -127,11 +125,11 @@ def test_one_warning_per_episode_of_rescues(
     """The rescues of a burst are one WARNING naming how many there were (and any replaced); each rescue is a
     DEBUG record."""
     caplog.set_level(logging.DEBUG, logger="llama_guard")
-    STALL_LOG.flush()  # an earlier test's episode, whose server may have had this test's port
+    PROCESS.stalls.flush()  # an earlier test's episode, whose server may have had this test's port
     caplog.clear()
     server = fifo_server
     drivers = run_scenario(flavor, functools.partial(burst, policy=KICKING), flavor, library, server.url, server.port)
-    STALL_LOG.flush()  # the episode ends when its transports close (httpx) or 2 s after it began (aiohttp): now
+    PROCESS.stalls.flush()  # the episode ends when its transports close (httpx) or 2 s after it began (aiohttp): now
     counts = totals(drivers)
     said, details = episode_log(
         caplog,
@@ -153,25 +151,25 @@ def unused_port() -> int:
     return port
 
 
-def kick_once(flavor: str, port: int) -> RequestRun:
-    """One kick of a fresh request to ``port``: the httpx transport's own ``_kick`` of that flavour does the I/O, and
-    reports to the request as its probe machine does (`Kicked` → `RequestState.probe_kicked`)."""
-    run = RequestRun(
-        httpx.Request("POST", f"http://127.0.0.1:{port}{CHAT}"),
-        Origin("http", "127.0.0.1", port),
-        GuardPolicy(),
-        GuardStats(),
-        None,
-        body=b"{}",
-        stream=False,
-        user_stream=None,
-        started=time.monotonic(),
-        book=ProbeBook(),
-    )
-    kick = Kick("127.0.0.1", port)
-    failure = sync_kick(kick) if flavor == "sync" else anyio.run(async_kick, kick, backend=flavor)
-    run.probe_kicked(failure)
-    return run
+class KickedRun:
+    """What one kick left: the request's counters, and the kicks its connection's machine counted."""
+
+    def __init__(self, stats: GuardStats, machine: connection.ConnectionMachine) -> None:
+        self.stats = stats.snapshot()
+        self.probe_kicks = machine.kicks
+
+
+def kick_once(flavor: str, port: int) -> KickedRun:
+    """One kick of a fresh request's probe to ``port``: the shared drive loop's own kick of that flavour does the
+    I/O, and the connection's machine takes what it reports (`Kicked`)."""
+    probe = probing(machine_for(GuardPolicy(connection="reuse"), url=f"http://127.0.0.1:{port}{CHAT}"))
+    probe.machine.next(connection.Written())
+    probe.clock.now = 0.2  # past the first kick (a quarter of the 0.5 s deadline, nothing learnt)
+    kick = probe.machine.next(connection.TimedOut())
+    assert kick == connection.Kick("127.0.0.1", port)
+    kicked = sync_kick(kick) if flavor == "sync" else anyio.run(async_kick, kick, backend=flavor)
+    probe.machine.next(kicked)
+    return KickedRun(probe.request.plan.stats, probe.machine)
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)
@@ -180,7 +178,7 @@ def test_a_kick_that_cannot_connect_is_counted_and_said_once(
 ) -> None:
     """Never silently: kicks that fail leave stalled connections to be replaced; one WARNING says so, and
     ``probe_kicks_failed`` counts them."""
-    monkeypatch.setattr(WARN_ONCE, "_said", set())
+    monkeypatch.setattr(PROCESS.warnings, "_said", set())
     caplog.set_level(logging.WARNING, logger="llama_guard")
     port = unused_port()
     runs = [kick_once(flavor, port) for _ in range(2)]

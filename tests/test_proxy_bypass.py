@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 import llama_guard
-from llama_guard._core.log import WARN_ONCE
+from llama_guard._runtime import PROCESS
 
 # A proxy address nothing listens on: no request is sent in these tests, only the client's set-up is looked at.
 PROXY = "http://127.0.0.1:9"
@@ -18,7 +18,7 @@ PROXY = "http://127.0.0.1:9"
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings() -> None:
-    WARN_ONCE.forget()
+    PROCESS.warnings.forget()
 
 
 def test_a_proxied_client_that_bypasses_the_guard_is_said(caplog: pytest.LogCaptureFixture) -> None:

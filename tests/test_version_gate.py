@@ -15,8 +15,8 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy, GuardStats
-from llama_guard._core.log import WARN_ONCE
 from llama_guard._httpx import internals
+from llama_guard._runtime import PROCESS
 from llama_guard.testing import LlamaServerEmulator
 
 from ._drivers import FLAVORS, run_scenario
@@ -29,7 +29,7 @@ UNTESTED = "1.9.99"
 def untested_httpcore(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """httpcore reports a version the gate does not know, from before the transports are built until after."""
     monkeypatch.setattr(httpcore, "__version__", UNTESTED)
-    monkeypatch.setattr(WARN_ONCE, "_said", set())  # the warning is once per process: a clean slate
+    monkeypatch.setattr(PROCESS.warnings, "_said", set())  # the warning is once per process: a clean slate
     caplog.set_level(logging.WARNING, logger="llama_guard")
 
 
@@ -112,7 +112,7 @@ def test_one_behaviour_for_an_untested_version(
     the public path (stats say why), and streams lose nothing. On an untested httpx guard() sets the client's
     private attributes only where they are laid out as it expects (the next test)."""
     monkeypatch.setattr(module, "__version__", UNTESTED)
-    monkeypatch.setattr(WARN_ONCE, "_said", set())
+    monkeypatch.setattr(PROCESS.warnings, "_said", set())
     caplog.set_level(logging.WARNING, logger="llama_guard")
     with guarded_client(entry_point, racy_server.url) as (client, stats):
         for index in range(6):

@@ -1,28 +1,34 @@
-"""The aiohttp side of a guarded request: its body, and its state across attempts (`AiohttpRequest`).
+"""The aiohttp side of a guarded request: its body, what the core reads of it, and the I/O of its attempts.
 
-Everything decided about a request (counting, verdicts, the retry schedule, probe deadlines, its result) is
-`RequestState` in ``_core/request_state.py``, shared with the httpx flavours; this module adds what needs aiohttp.
+Every decision about the request is its plan's and machine's (``_core/guard.py``, ``_core/request_machine.py``), and
+the loop over its attempts is the shared one (``_drive/async_drive.py``); `AiohttpAttempts` does aiohttp's part:
+call the middleware's handler once per attempt (under the first-byte deadline, a cancel scope), read a 503's body,
+drop a stream's connection, and make the caller's error.
 """
 
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import Any
 
 import aiohttp
 import anyio
 from aiohttp.payload import BytesPayload
 
-from .._core.connection_strategy import REUSE_UNDECIDED, ConnectionChoice
-from .._core.decisions import FailureKind, Progress, ProgressTracker, wants_stream
+from .._core.attempt_context import CURRENT_PLAN
+from .._core.decisions import FailureKind, is_streaming_response, wants_stream
+from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
-from .._core.origins import Origin
-from .._core.policy import GuardPolicy
-from .._core.request_state import RequestState
-from .._core.stats import GuardStats
+from .._core.request_machine import Answered, ErrorBodyRead, Fail, Failed, Send
+from .._core.result import GuardResult
 from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error
+from .internals import drop_after_response, fail_body_on_connection_loss
 
-__all__ = ["CURRENT_ATTEMPT", "AiohttpRequest", "FirstAttempt", "current_run", "request_body"]
+__all__ = ["ATTEMPT_DEADLINE", "RESULTS", "AiohttpAttempts", "RequestView", "drop_stream", "plan_of", "request_body"]
+
+# The guard's account of each response it handled; weak, so that it lives as long as the response.
+RESULTS: weakref.WeakKeyDictionary[aiohttp.ClientResponse, GuardResult] = weakref.WeakKeyDictionary()
 
 
 async def request_body(request: aiohttp.ClientRequest) -> tuple[bytes | None, bool]:
@@ -37,163 +43,145 @@ async def request_body(request: aiohttp.ClientRequest) -> tuple[bytes | None, bo
     return content, request.method == "POST" and wants_stream(content)
 
 
-class _RequestView:
-    """What `RequestState` reads of a request (the attributes httpx's requests have)."""
+class RequestView:
+    """What the core reads of an aiohttp request (the attributes httpx's requests have), and the request."""
 
-    __slots__ = ("extensions", "headers", "method", "url")
+    __slots__ = ("aiohttp_request", "extensions", "headers", "method", "url")
 
     def __init__(self, request: aiohttp.ClientRequest) -> None:
+        self.aiohttp_request = request
         self.method = request.method
         self.url = request.url  # yarl: scheme, host, port and path as httpx's URL has them
         self.headers = request.headers
         self.extensions: dict[str, Any] = {}
 
-
-def _no_prober(stream: Any, run: Any, /) -> Any:  # the connector probes (connector.py), not the state
-    raise AssertionError("the aiohttp flavour probes in its connector hooks")
-
-
-class AiohttpRequest(RequestState):
-    """A guarded aiohttp request across its attempts: `RequestState`, the aiohttp request, and the first-byte
-    deadline of the current attempt."""
-
-    __slots__ = ("aiohttp_request", "deadline_scope")
-
-    def __init__(
-        self,
-        request: aiohttp.ClientRequest,
-        origin: Origin | None,
-        policy: GuardPolicy,
-        stats: GuardStats,
-        *,
-        body: bytes | None,
-        stream: bool,
-        started: float,
-        connection: ConnectionChoice = REUSE_UNDECIDED,
-    ) -> None:
-        super().__init__(
-            _RequestView(request),
-            origin,
-            policy,
-            stats,
-            _no_prober,
-            body=body,
-            stream=stream,
-            started=started,
-            connection=connection,
-        )
-        self.aiohttp_request = request
-        self.deadline_scope: anyio.CancelScope | None = None
-
     @property
     def host_header(self) -> str:
-        host: str | None = self.aiohttp_request.headers.get("Host")
-        return host if host else f"{self.aiohttp_request.url.raw_host}:{self.aiohttp_request.url.port}"
-
-    def begin_attempt(self) -> anyio.CancelScope | None:
-        """Count a new attempt; the cancel scope that holds its first-byte deadline, if the policy sets one."""
-        self.attempt_extensions(None)
-        deadline = self.policy.first_byte_timeout
-        if deadline is None:
-            return None  # a cancel scope costs about as much as the rest of the guard's work on a request
-        scope = self.deadline_scope = anyio.CancelScope(deadline=anyio.current_time() + deadline)
-        return scope
-
-    def connected(self) -> None:
-        """The new connection is up and probed: the first-byte deadline starts now, as httpx's read timeout
-        starts once the request is written (the connect and the probe have deadlines of their own)."""
-        super().connected()
-        scope, deadline = self.deadline_scope, self.policy.first_byte_timeout
-        if scope is not None and deadline is not None:
-            scope.deadline = anyio.current_time() + deadline
-
-    def end_attempt(self) -> None:
-        self.deadline_scope = None
-
-    def attempt_failed(self, exc: BaseException | None) -> BaseException:
-        """Judge a failed attempt (``exc`` None: the first-byte deadline expired); the exception to raise from it.
-        Sets ``self.verdict`` for the retry hooks."""
-        if self.tracker is None:  # the hooks saw no new connection: the attempt ran on a pooled one
-            self.tracker = ProgressTracker(hooked=True)
-        if exc is None:
-            kind: FailureKind | None = FailureKind.FIRST_BYTE_TIMEOUT
-            exc = FirstByteTimeout(
-                f"no response headers from {self.description} within first_byte_timeout="
-                f"{self.policy.first_byte_timeout:g} s; the connection was discarded"
-            )
-        else:
-            kind = failure_kind(exc)
-            if kind is not None and body_error(exc):
-                # The headers were parsed: the attempt got as far as the response (known, not assumed).
-                self.tracker.hooked = False
-                self.tracker.saw_events = True
-                self.tracker.progress = Progress.HEADERS
-        if kind is None:
-            return exc
-        self.judge_failure(kind, type(exc).__name__, error_text(exc))
-        return exc
-
-    def final_error(self, exc: BaseException) -> BaseException:
-        """The error for the caller once the guard stops: the same aiohttp class, with the guard's account."""
-        message, elapsed = self.final_message(error_text(exc) or type(exc).__name__)
-        return guarded_error(exc, message=message, attempts=self.attempts, elapsed=elapsed, history=self.history)
+        host: str | None = self.headers.get("Host")
+        return host if host else f"{self.url.raw_host}:{self.url.port}"
 
 
-def error_text(exc: BaseException) -> str:
-    return without_quoted_values(str(exc))
-
-
-class FirstAttempt:
-    """A request's first attempt while it has needed nothing but its body: most requests are answered by it on a
-    pooled connection and need no `AiohttpRequest` (most of the guard's work per request). Keeps what one is built
-    from, and builds it when something needs it (`guarded_run`): the connector hooks for a new connection, or the
-    middleware on a failure or a 503/429; the run then carries on as if it had been there from the start."""
-
-    __slots__ = ("body", "connection", "origin", "policy", "request", "run", "started", "stats", "stream")
-
-    def __init__(
-        self,
-        request: aiohttp.ClientRequest,
-        origin: Origin | None,
-        policy: GuardPolicy,
-        stats: GuardStats,
-        body: bytes,
-        stream: bool,
-        started: float,
-        connection: ConnectionChoice,
-    ) -> None:
-        self.request, self.origin, self.policy, self.stats = request, origin, policy, stats
-        self.body, self.stream, self.started, self.connection = body, stream, started, connection
-        self.run: AiohttpRequest | None = None
-
-    def guarded_run(self) -> AiohttpRequest:
-        run = self.run
-        if run is None:
-            run = self.run = AiohttpRequest(
-                self.request,
-                self.origin,
-                self.policy,
-                self.stats,
-                body=self.body,
-                stream=self.stream,
-                started=self.started,
-                connection=self.connection,
-            )
-            run.begin_attempt()  # this attempt, counted; no deadline (a first attempt sent as it is has none)
-        return run
-
-
-def current_run(request: aiohttp.ClientRequest) -> AiohttpRequest | None:
-    """The guarded request of this task's attempt, if ``request`` is it (for the connector hooks)."""
-    attempt = CURRENT_ATTEMPT.get()
-    if attempt is None:
+def plan_of(request: aiohttp.ClientRequest) -> RequestPlan | None:
+    """The plan of the guarded request whose attempt runs in this task, if ``request`` is it (for the connector's
+    hooks: another session's request inside a guarded attempt is not)."""
+    plan = CURRENT_PLAN.get()
+    if plan is None or not isinstance(plan.request, RequestView) or plan.request.aiohttp_request is not request:
         return None
-    run = attempt.guarded_run() if isinstance(attempt, FirstAttempt) else attempt
-    return run if run.aiohttp_request is request else None
+    return plan
 
 
-# The guarded request whose attempt runs in this task, for the connector hooks (connector.py): set by the
-# middleware around each attempt, inside which aiohttp's connector makes any new connection.
-CURRENT_ATTEMPT: contextvars.ContextVar[AiohttpRequest | FirstAttempt | None] = contextvars.ContextVar(
-    "llama_guard_aiohttp_attempt", default=None
+# The cancel scope that holds the first-byte deadline of this task's attempt, for the connector's hooks: the
+# deadline starts again once a new connection is up and probed (the connect and the probe have deadlines of their
+# own), as httpx's read timeout starts once the request is written.
+ATTEMPT_DEADLINE: contextvars.ContextVar[anyio.CancelScope | None] = contextvars.ContextVar(
+    "llama_guard_aiohttp_deadline", default=None
 )
+
+
+class AiohttpAttempts:
+    """The aiohttp I/O of one guarded request's attempts, for the shared drive loop (`AsyncAttemptIO`)."""
+
+    __slots__ = ("_error", "_handler", "_plan", "_response")
+
+    def __init__(self, plan: RequestPlan, handler: Any) -> None:
+        self._plan = plan
+        self._handler = handler
+        self._response: aiohttp.ClientResponse | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def _request(self) -> aiohttp.ClientRequest:
+        request: aiohttp.ClientRequest = self._plan.request.aiohttp_request
+        return request
+
+    async def send(self, send: Send) -> Answered | Failed:
+        request = self._request
+        if send.close_connection:
+            request.headers["Connection"] = "close"  # aiohttp's own copy of the caller's headers
+        deadline = send.first_byte_deadline
+        token = CURRENT_PLAN.set(self._plan)
+        response: aiohttp.ClientResponse | None = None
+        try:
+            if deadline is None:  # a cancel scope costs about as much as the rest of the guard's work on a request
+                response = await self._handler(request)
+            else:
+                scope = anyio.CancelScope(deadline=anyio.current_time() + deadline)
+                deadline_token = ATTEMPT_DEADLINE.set(scope)
+                try:
+                    with scope:
+                        response = await self._handler(request)
+                finally:
+                    ATTEMPT_DEADLINE.reset(deadline_token)
+        except Exception as exc:
+            return self.failed(exc)
+        finally:
+            CURRENT_PLAN.reset(token)
+        if response is None:  # the deadline cancelled the attempt; aiohttp closed its connection
+            return self.failed(None)
+        return self.answered(response)
+
+    def failed(self, exc: Exception | None) -> Failed:
+        """Judge a failed attempt (``exc`` None: the first-byte deadline expired); the error is kept for `error`."""
+        plan = self._plan
+        if exc is None:
+            self._error = FirstByteTimeout(
+                f"no response headers from {plan.description} within first_byte_timeout="
+                f"{plan.policy.first_byte_timeout:g} s; the connection was discarded"
+            )
+            return Failed(FailureKind.FIRST_BYTE_TIMEOUT, "FirstByteTimeout", str(self._error))
+        self._error = exc
+        kind = failure_kind(exc)
+        if kind is not None and body_error(exc):
+            plan.machine().headers_received()  # the headers were parsed: the attempt got as far as the response
+        return Failed(kind, type(exc).__name__, without_quoted_values(str(exc)))
+
+    def answered(self, response: aiohttp.ClientResponse) -> Answered:
+        self._response = response
+        return Answered(response.status, response.headers, is_streaming_response(response.headers))
+
+    async def read_error_body(self) -> ErrorBodyRead | Failed:
+        response = self._response
+        assert response is not None
+        try:
+            await response.read()  # at the end of the body aiohttp puts the connection back in the pool
+        except Exception as exc:  # judged as the 503/429 it was: retried by the schedule
+            response.close()
+            self._error = exc
+            return Failed(None)
+        except BaseException:
+            response.close()
+            raise
+        return ErrorBodyRead()
+
+    def drop_stream(self) -> bool:
+        assert self._response is not None
+        return drop_stream(self._response, self._plan.stats)
+
+    def respond(self, result: GuardResult) -> aiohttp.ClientResponse:
+        response = self._response
+        assert response is not None
+        if result.connection_closed:
+            fail_body_on_connection_loss(response)
+        RESULTS[response] = result
+        return response
+
+    def error(self, fail: Fail | None) -> BaseException:
+        error = self._error
+        assert error is not None
+        if fail is None:
+            return error
+        message = f"{without_quoted_values(str(error)) or type(error).__name__} {fail.message}"
+        guarded = guarded_error(
+            error, message=message, attempts=fail.attempts, elapsed=fail.elapsed, history=fail.history
+        )
+        guarded.__cause__ = error
+        return guarded
+
+
+def drop_stream(response: aiohttp.ClientResponse, stats: Any) -> bool:
+    """llama-server closes a stream's connection right after the final chunk, whatever its headers said: have
+    aiohttp close it instead of pooling it."""
+    if not drop_after_response(response):
+        return False
+    stats.add(stream_connections_closed=1, stream_connections_dropped=1)
+    return True

@@ -1,49 +1,37 @@
-"""`GuardConnector` and the probe: every new connection to llama-server is proven read before a request is
-written to it.
+"""`GuardConnector` and its hooks: every new connection to llama-server is proven read before a request is written
+to it.
 
 The hooks run around the connector's creation of a connection (``internals.hook_new_connections``): for a
-connection opened by a guarded attempt (`CURRENT_ATTEMPT`, set by the middleware), they report the connect to that
-request, then write ``GET /health`` on the new transport and wait for the answer, with the protocol aiohttp gave
-the connection set aside (``transport.set_protocol``, public asyncio API) so that aiohttp never sees the exchange.
-A probe that fails closes the connection and raises `ProbeTimeout`/`ProbeError` from the connect: nothing of the
-request was written, and the middleware retries it on a fresh connection with the stall schedule.
+connection opened by a guarded attempt (`plan_of`, set by the middleware), they drive the new connection's machine
+(``_core/connection_machine.py``, through the shared loop) with this transport's I/O (`_TransportIO`): the admission
+before aiohttp connects, then ``GET /health`` written on the new transport and its answer read, with the protocol
+aiohttp gave the connection set aside (``transport.set_protocol``, public asyncio API) so that aiohttp never sees the
+exchange. A probe that fails closes the connection and raises `ProbeTimeout`/`ProbeError` from the connect: nothing
+of the request was written, and the middleware retries it on a fresh connection.
 
-As in the httpx flavour, the deadline in force, the admission of new connections and the watch for late answers
-are the origin's (`_core/origin_probes.py`): a connection whose probe was given up is closed here, and a duplicate
-of its socket, half closed, is watched a while for a late answer (`_core/late_answers.py`).
+A connection whose probe was given up is watched a while for a late answer (``_runtime/late_answers.py``): by the
+connector, which ends the watches when it closes (a `GuardConnector`), or until the watch ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, NoReturn
+from typing import Any
 
 import aiohttp
+import anyio
 
-from .._core import probe_machine
-from .._core.late_answers import GivenUpWatches
+from .._core import connection_machine as connection
 from .._core.llama_server import CLIENT_KEEPALIVE
-from .._core.origin_probes import Admission
-from .._core.origins import Origin
-from .._core.turns import AsyncTurn
-from .attempts import AiohttpRequest, current_run
+from .._core.origin_probes import GivenUpWatches
+from .._core.process_state import ProcessState
+from .._drive.async_drive import advance_connection
+from .._runtime import PROCESS
+from .attempts import ATTEMPT_DEADLINE, plan_of
 from .exceptions import ProbeError, ProbeTimeout, probe_error
 from .internals import ConnectionHooks, hook_new_connections
 
-__all__ = ["KEEPALIVE_TIMEOUT", "GuardConnector", "ProbingHooks"]
-
-# aiohttp keeps an idle connection 15 s, past llama-server's 5 s: a connection the server closed would be handed out.
-KEEPALIVE_TIMEOUT = CLIENT_KEEPALIVE
-
-
-async def _kick(kick: probe_machine.Kick) -> BaseException | None:
-    """Open one TCP connection and close it at once, writing nothing (`probe_machine.Kick`); the failure if any."""
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(kick.host, kick.port), kick.timeout)
-    except (OSError, asyncio.TimeoutError) as exc:
-        return exc
-    writer.close()
-    return None
+__all__ = ["GuardConnector", "ProbingHooks"]
 
 
 class GuardConnector(aiohttp.TCPConnector):
@@ -56,10 +44,16 @@ class GuardConnector(aiohttp.TCPConnector):
     tested with), also in the guard's ``stats.public_path``.
     """
 
-    def __init__(self, *, keepalive_timeout: float | object = KEEPALIVE_TIMEOUT, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        keepalive_timeout: float | object = CLIENT_KEEPALIVE,
+        process: ProcessState | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(keepalive_timeout=keepalive_timeout, **kwargs)  # type: ignore[arg-type]
         self._hooks = ProbingHooks()
-        self.probing_off = hook_new_connections(self, self._hooks)
+        self.probing_off = hook_new_connections(self, self._hooks, (process or PROCESS).warnings)
 
     def close(self, *args: Any, **kwargs: Any) -> Any:
         self._hooks.given_up.end_all()  # connections watched for a late answer
@@ -70,100 +64,100 @@ class ProbingHooks(ConnectionHooks):
     """The guard's work on a connector's new connections (one instance per connector)."""
 
     def __init__(self) -> None:
-        # Origins whose server closed the connection after answering a probe: probing them cannot work.
-        self.unprobeable: set[Origin] = set()
-        # Connections whose probe was given up, watched a while for a late answer (_core/late_answers.py): ended
-        # when a `GuardConnector` closes; on another connector (a session the guard was added to), when the watch
-        # ends.
+        # Connections whose probe was given up, watched a while for a late answer: ended when a `GuardConnector`
+        # closes; on another connector (a session the guard was added to), when the watch ends.
         self.given_up = GivenUpWatches()
 
     async def connecting(
         self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout
-    ) -> Admission[AsyncTurn] | None:
-        run = current_run(request)
-        if run is None:
-            return None
-        run.connecting()
-        if not self._probes(run, request):
-            return None
-        return await _admission(run, timeout)
+    ) -> tuple[connection.ConnectionMachine, _TransportIO] | None:
+        plan = plan_of(request)
+        if plan is None:
+            return None  # a request the guard passes through, or another session's inside a guarded attempt
+        machine = connection.ConnectionMachine(plan.machine(), watches=self.given_up)
+        io = _TransportIO(request, timeout)
+        proxy = request.proxy
+        opening = connection.Opening(
+            direct=proxy is None,
+            proxy=None if proxy is None else f"{proxy.host}:{proxy.port}",
+            kick_host=request.url.host or plan.origin.host,
+        )
+        await advance_connection(machine, opening, io)  # Open, once its turn came
+        return machine, io
 
-    async def connected(self, request: aiohttp.ClientRequest, transport: Any) -> None:
-        run = current_run(request)
-        if run is None:
-            return  # a request the guard passes through, or another session's inside a guarded attempt
-        run.connection_ready()
-        if self._probes(run, request):
-            await self._probe(transport, run)
-        run.connected()
+    async def connected(
+        self,
+        request: aiohttp.ClientRequest,
+        transport: Any,
+        token: tuple[connection.ConnectionMachine, _TransportIO] | None,
+    ) -> None:
+        if token is None:
+            return
+        machine, io = token
+        io.transport = transport
+        await advance_connection(machine, connection.Opened(socket=transport.get_extra_info("socket")), io)
+        io.give_back()
+        scope, deadline = ATTEMPT_DEADLINE.get(), machine.request.plan.policy.first_byte_timeout
+        if scope is not None and deadline is not None:
+            # The first-byte deadline starts now, as httpx's read timeout starts once the request is written.
+            scope.deadline = anyio.current_time() + deadline
 
-    def finished(self, request: aiohttp.ClientRequest, admission: Admission[AsyncTurn] | None) -> None:
-        if admission is not None:
-            admission.leave()  # wakes the next connection waiting for its turn
-
-    def _probes(self, run: AiohttpRequest, request: aiohttp.ClientRequest) -> bool:
-        # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
-        if request.proxy is not None and run.probing:
-            run.probing_off(f"they go through a proxy at {request.proxy.host}:{request.proxy.port}")
-            return False
-        return run.probing and run.origin not in self.unprobeable
-
-    async def _probe(self, transport: asyncio.Transport, run: AiohttpRequest) -> None:
-        """The I/O of a `ProbeMachine` on a new connection, whose aiohttp protocol is set aside meanwhile."""
-        protocol = transport.get_protocol()
-        reader = _ProbeReader()
-        transport.set_protocol(reader)
-        host = run.aiohttp_request.url.host or run.origin.host
-        machine = probe_machine.ProbeMachine(run, socket=transport.get_extra_info("socket"), kick_host=host)
-        action = machine.next(probe_machine.Start())
-        while not isinstance(action, probe_machine.Usable):
-            if isinstance(action, probe_machine.Abort):
-                _discard(transport, protocol)
-                self._aborted(action, run)
-            event: probe_machine.ProbeEvent
-            try:
-                if isinstance(action, probe_machine.Write):
-                    transport.write(action.data)  # buffered by asyncio: the read below waits for the answer
-                    event = probe_machine.Written()
-                elif isinstance(action, probe_machine.Read):
-                    event = await reader.next_event(action.timeout)
-                else:
-                    event = probe_machine.Kicked(await _kick(action))
-            except BaseException:
-                if machine.state is not probe_machine.ProbeState.DONE:
-                    machine.next(probe_machine.Cancelled())
-                _discard(transport, protocol)
-                raise
-            action = machine.next(event)
-        transport.set_protocol(protocol)
-
-    def _aborted(self, abort: probe_machine.Abort, run: AiohttpRequest) -> NoReturn:
-        """A probe failed (its connection discarded): keep its late-answer watch, and fail the connect."""
-        if abort.watch is not None:
-            self.given_up.add(abort.watch)
-        if abort.unprobeable:
-            self.unprobeable.add(run.origin)
-        raise probe_error(ProbeTimeout if abort.timed_out else ProbeError, run.aiohttp_request, abort.message)
+    def finished(
+        self, request: aiohttp.ClientRequest, token: tuple[connection.ConnectionMachine, _TransportIO] | None
+    ) -> None:
+        if token is not None and not token[0].done:  # the connect failed, or was cancelled
+            token[0].next(connection.OpenFailed())  # its turn, if it had one, goes to the next connection
 
 
-async def _admission(run: AiohttpRequest, timeout: aiohttp.ClientTimeout) -> Admission[AsyncTurn] | None:
-    """This connection's place in its origin's queue, once its turn has come (`Admission`), or None. aiohttp's
-    ``connect`` timer covers the whole connect, this wait included (it then raises its own ConnectionTimeoutError);
-    the smaller of ``connect`` and ``sock_connect`` bounds it here too, with a message that names the admission."""
-    admission = Admission.of(run, AsyncTurn)  # woken thread-safely, from any loop (_core/turns.py)
-    if admission is not None and admission.waits:
+class _TransportIO:
+    """The probe's I/O on a new asyncio transport (`AsyncConnectionIO`): while the probe runs, aiohttp's protocol is
+    set aside and what arrives waits in a `_ProbeReader`."""
+
+    __slots__ = ("_protocol", "_reader", "_request", "connect_timeout", "transport")
+
+    def __init__(self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout) -> None:
+        self._request = request
+        # aiohttp's connect timer covers the whole connect, this wait included (it then raises its own
+        # ConnectionTimeoutError); the smaller of connect and sock_connect bounds the wait for a turn too.
         bounds = [t for t in (timeout.connect, timeout.sock_connect) if t is not None]
-        bound = min(bounds) if bounds else None
-        admitted = await admission.turn.wait_until(admission.admitted, bound, abandoned=admission.leave)
-        if not admission.waited(admitted):
-            raise aiohttp.ConnectionTimeoutError(admission.timeout_message(bound))
-    return admission
+        self.connect_timeout = min(bounds) if bounds else None
+        self.transport: Any = None
+        self._protocol: Any = None
+        self._reader: _ProbeReader | None = None
 
+    def _probe_reader(self) -> _ProbeReader:
+        reader = self._reader
+        if reader is None:
+            reader = self._reader = _ProbeReader()
+            self._protocol = self.transport.get_protocol()
+            self.transport.set_protocol(reader)
+        return reader
 
-def _discard(transport: asyncio.Transport, protocol: Any) -> None:
-    """Close a connection that failed its probe; aiohttp's protocol gets the close, as for any lost connection."""
-    transport.set_protocol(protocol)
-    transport.abort()
+    async def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+        self._probe_reader()
+        self.transport.write(data)  # buffered by asyncio: the read after it waits for the answer
+        return connection.Written()
+
+    async def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+        return await self._probe_reader().next_event(timeout)
+
+    def give_back(self) -> None:
+        """The probe passed (or none ran): aiohttp's protocol takes the connection back."""
+        if self._reader is not None:
+            self.transport.set_protocol(self._protocol)
+            self._reader = None
+
+    async def close(self) -> None:
+        """Close a connection that failed its probe; aiohttp's protocol gets the close, as for any lost one."""
+        if self.transport is not None:
+            self.give_back()
+            self.transport.abort()
+
+    def error(self, abort: connection.Abort) -> BaseException:
+        if abort.reason == "connect timeout":
+            return aiohttp.ConnectionTimeoutError(abort.message)
+        cls = ProbeTimeout if abort.reason == "probe timeout" else ProbeError
+        return probe_error(cls, self._request, abort.message)
 
 
 class _ProbeReader(asyncio.Protocol):
@@ -175,7 +169,7 @@ class _ProbeReader(asyncio.Protocol):
         self._error: Exception | None = None
         self._arrived: asyncio.Future[None] | None = None
 
-    async def next_event(self, timeout: float) -> probe_machine.ProbeEvent:
+    async def next_event(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
         """What arrived (waiting up to ``timeout`` seconds for something): bytes, the end, an error, or nothing."""
         if not (self._data or self._closed):
             self._arrived = asyncio.get_running_loop().create_future()
@@ -183,10 +177,10 @@ class _ProbeReader(asyncio.Protocol):
             self._arrived = None
         if self._data:
             data, self._data = bytes(self._data), bytearray()
-            return probe_machine.Received(data)
+            return connection.Received(data)
         if self._error is not None:
-            return probe_machine.Broken(self._error)
-        return probe_machine.Received(b"") if self._closed else probe_machine.TimedOut()
+            return connection.Broken(self._error)
+        return connection.Received(b"") if self._closed else connection.TimedOut()
 
     def _wake(self) -> None:
         if self._arrived is not None and not self._arrived.done():
@@ -199,7 +193,7 @@ class _ProbeReader(asyncio.Protocol):
     def eof_received(self) -> bool:
         self._closed = True
         self._wake()
-        return True  # keep the transport open: the machine decides, and _discard closes
+        return True  # keep the transport open: the machine decides, and close() closes
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from .._core.log import WARN_ONCE
+from .._core.log import WarnOnce
 
 __all__ = [
     "SESSION_REQUEST_METHOD",
@@ -58,11 +58,11 @@ def untested_version() -> str | None:
     )
 
 
-def check_version() -> str | None:
-    """`untested_version()`, logged once per process for each untested version."""
+def check_version(warnings: WarnOnce) -> str | None:
+    """`untested_version()`, logged once per process (``warnings``: the process's) for each untested version."""
     reason = untested_version()
     if reason is not None:
-        WARN_ONCE.warning(reason)
+        warnings.warning(reason)
     return reason
 
 
@@ -76,8 +76,9 @@ class ConnectionHooks:
         """Before the connection is opened (may wait for its turn); what it returns is handed to `finished`."""
         raise NotImplementedError
 
-    def connected(self, request: aiohttp.ClientRequest, transport: Any) -> Awaitable[None]:
-        """The connection is open; raising fails the connect (and closes the connection)."""
+    def connected(self, request: aiohttp.ClientRequest, transport: Any, token: Any) -> Awaitable[None]:
+        """The connection is open (the token of `connecting`); raising fails the connect (and closes the
+        connection)."""
         raise NotImplementedError
 
     def finished(self, request: aiohttp.ClientRequest, token: Any) -> None:
@@ -99,7 +100,7 @@ class _CreateConnection:
         try:
             protocol = await self.create(req, traces, timeout)
             try:
-                await self.hooks.connected(req, protocol.transport)
+                await self.hooks.connected(req, protocol.transport, token)
             except BaseException:
                 protocol.close()
                 raise
@@ -108,10 +109,10 @@ class _CreateConnection:
         return protocol
 
 
-def hook_new_connections(connector: aiohttp.BaseConnector, hooks: ConnectionHooks) -> str | None:
+def hook_new_connections(connector: aiohttp.BaseConnector, hooks: ConnectionHooks, warnings: WarnOnce) -> str | None:
     """Run ``hooks`` around every new connection ``connector`` creates; None if done, else why not (untested
-    aiohttp, or a connector that is not a `aiohttp.TCPConnector`)."""
-    untested = check_version()
+    aiohttp, said once through ``warnings``, or a connector that is not a `aiohttp.TCPConnector`)."""
+    untested = check_version(warnings)
     if untested is not None:
         return untested
     if not isinstance(connector, aiohttp.TCPConnector):

@@ -8,10 +8,10 @@ from typing import Any
 
 import aiohttp
 
-from .._core.log import WARN_ONCE
 from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
+from .._runtime import PROCESS
 from .connector import GuardConnector, ProbingHooks
 from .internals import (
     check_version,
@@ -62,7 +62,7 @@ def guard_session(
     guard = _GUARDS.get(session)
     if guard is not None:
         return guard
-    untested = check_version()
+    untested = check_version(PROCESS.warnings)
     if untested is not None:
         return None
     guard = GuardMiddleware(policy=policy, stats=stats, origins=origins)
@@ -77,7 +77,7 @@ def unguard_session(session: aiohttp.ClientSession) -> bool:
     guard = _GUARDS.pop(session, None)
     if guard is None:
         return False
-    if check_version() is None:
+    if check_version(PROCESS.warnings) is None:
         set_session_middlewares(session, [m for m in session_middlewares(session) if m is not guard])
     if session.connector is not None and not isinstance(session.connector, GuardConnector):
         unhook_new_connections(session.connector)
@@ -97,7 +97,7 @@ def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware, *, own_resend
     if isinstance(connector, GuardConnector):
         why = connector.probing_off
     elif connector is not None:
-        why = hook_new_connections(connector, ProbingHooks())
+        why = hook_new_connections(connector, ProbingHooks(), guard.process.warnings)
     else:
         why = "the session has no connector"
     if own_resend_off and not disable_connection_retry(session) and why is None:
@@ -105,4 +105,4 @@ def _adopt(session: aiohttp.ClientSession, guard: GuardMiddleware, *, own_resend
     if why is not None:
         guard.stats.public_path = why
         if untested_version() is None:  # else the version gate has said it once
-            WARN_ONCE.warning(f"llama_guard on an aiohttp session: {why}")
+            guard.process.warnings.warning(f"llama_guard on an aiohttp session: {why}")

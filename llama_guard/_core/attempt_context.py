@@ -1,49 +1,17 @@
-"""The guarded request whose attempt is opening a connection in this thread or task, for the connection hooks.
+"""The guarded request whose attempt runs in this thread or task, for the stacks' connection hooks.
 
-The guard follows each attempt (did it open a new connection, did that connect and its probe succeed) and probes
-new connections from inside httpcore's pool, through a wrapper of the pool's network backend
-(``_httpx/async_connections.py``). That wrapper is per pool and shared by every request; it learns which request it is
-serving from this context variable, which the one-time hook of a new connection sets around that connection's
-first request (inside which httpcore connects). A context variable is per thread (sync clients) and per task
-(asyncio, trio), as an attempt is. Requests on pooled connections never set it: they cost nothing here. The value
-is the request's `RequestRun` (built then if the request had none yet, see `FirstAttempt`), which keeps the
-progress of its current attempt."""
+A stack's hook on new connections (httpcore's network backend, aiohttp's connector, urllib3's connection class) is
+shared by every request of its pool; it learns which request a new connection is for from this context variable,
+set around the attempt (or, in httpcore, around a new connection's first request, inside which it connects). A
+context variable is per thread (sync clients) and per task (asyncio, trio), as an attempt is. The value is the
+request's `RequestPlan`: its machine is made when the hook first needs it (`RequestPlan.machine`)."""
 
 from __future__ import annotations
 
 import contextvars
-from typing import Any, Protocol
 
-from .origin_probes import OriginProbes
-from .origins import Origin
-from .policy import GuardPolicy
-from .stats import GuardStats
+from .guard import RequestPlan
 
-__all__ = ["CURRENT_ATTEMPT", "GuardedRequest"]
+__all__ = ["CURRENT_PLAN"]
 
-
-class GuardedRequest(Protocol):
-    """What the connection hooks use of a `RequestRun` (of the httpx or the httpx2 flavour)."""
-
-    @property
-    def request(self) -> Any: ...  # the httpx (or httpx2) request
-    @property
-    def origin(self) -> Origin: ...
-    @property
-    def probing(self) -> bool: ...
-    @property
-    def origin_probes(self) -> OriginProbes: ...
-    @property
-    def policy(self) -> GuardPolicy: ...
-    @property
-    def stats(self) -> GuardStats: ...
-    def probe(self, stream: Any) -> Any: ...  # probes a new connection; a coroutine for async transports
-    def connecting(self) -> None: ...
-    def probing_off(self, why: str) -> None: ...
-    def connection_ready(self) -> None: ...
-    def connected(self) -> None: ...
-
-
-CURRENT_ATTEMPT: contextvars.ContextVar[GuardedRequest | None] = contextvars.ContextVar(
-    "llama_guard_attempt", default=None
-)
+CURRENT_PLAN: contextvars.ContextVar[RequestPlan | None] = contextvars.ContextVar("llama_guard_plan", default=None)

@@ -38,11 +38,8 @@ from .stats import GuardStats
 
 __all__ = [
     "CLOSE_COST_SHARE",
-    "CONNECTION_BOOK",
     "REUSE_UNDECIDED",
     "ConnectionBook",
-    "announce_choice",
-    "teach",
     "MIN_CONNECTS",
     "MIN_REQUESTS",
     "ConnectionChoice",
@@ -185,7 +182,9 @@ class OriginConnections:
 
 
 class ConnectionBook:
-    """`OriginConnections` per origin (loopback spellings of one server share one)."""
+    """`OriginConnections` per origin (loopback spellings of one server share one): the process's
+    (``ProcessState.connections``), since what a new connection costs is the network's, whichever client measured
+    it."""
 
     def __init__(self) -> None:
         self._origins: dict[Origin, OriginConnections] = {}
@@ -204,40 +203,38 @@ class ConnectionBook:
         with self._lock:
             self._origins.clear()
 
+    def teach(
+        self, origin: Origin, stats: GuardStats, *, connect_cost: float | None = None, request: float | None = None
+    ) -> None:
+        """Teach ``origin``'s ``"auto"`` strategy a new connection's cost or a request's time; a choice it makes is
+        announced (`announce`)."""
+        connections = self.of(origin)
+        decided = connections.connected(connect_cost) if connect_cost is not None else None
+        if request is not None:
+            decided = connections.answered(request) or decided
+        if decided is not None:
+            self.announce(origin, decided, stats)
 
-#: The process's: what a new connection to an origin costs is the network's, whichever client measured it.
-CONNECTION_BOOK = ConnectionBook()
-
-
-def teach(
-    origin: Origin, stats: GuardStats, *, connect_cost: float | None = None, request: float | None = None
-) -> None:
-    """Teach ``origin``'s ``"auto"`` strategy a new connection's cost or a request's time; a choice it makes is
-    announced (`announce_choice`)."""
-    connections = CONNECTION_BOOK.of(origin)
-    decided = connections.connected(connect_cost) if connect_cost is not None else None
-    if request is not None:
-        decided = connections.answered(request) or decided
-    if decided is not None:
-        announce_choice(origin, decided, stats)
-
-
-def announce_choice(origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
-    """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
-    stats.record_connection_choice(str(origin), str(choice), final=choice.final)
-    if choice.final and CONNECTION_BOOK.of(origin).first_announcement(choice):
-        logger.info("llama_guard: connections to %s: %s", origin, choice)
+    def announce(self, origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
+        """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
+        stats.record_connection_choice(str(origin), str(choice), final=choice.final)
+        if choice.final and self.of(origin).first_announcement(choice):
+            logger.info("llama_guard: connections to %s: %s", origin, choice)
 
 
 class Strategies:
     """One transport's (or session's) connection strategies: the final choice of each origin, kept per
     (scheme, host, port) as its HTTP library spells them, so the usual request pays one dict lookup."""
 
-    __slots__ = ("_chosen", "_mode", "stats", "unix_socket")
+    __slots__ = ("_book", "_chosen", "_mode", "stats", "unix_socket")
 
-    def __init__(self, mode: ConnectionMode, stats: GuardStats, *, unix_socket: bool = False) -> None:
-        """``mode``: the transport policy's ``connection``; ``unix_socket``: the transport connects through one."""
+    def __init__(
+        self, mode: ConnectionMode, stats: GuardStats, book: ConnectionBook, *, unix_socket: bool = False
+    ) -> None:
+        """``mode``: the transport policy's ``connection``; ``book``: the process's measurements
+        (``ProcessState.connections``); ``unix_socket``: the transport connects through one."""
         self._mode = mode
+        self._book = book
         self.stats = stats  # where choices are recorded: the owner's, replaced with it
         self.unix_socket = unix_socket
         self._chosen: dict[tuple[str, str, int | None], ConnectionChoice] = {}
@@ -252,12 +249,12 @@ class Strategies:
             if choice is not None:
                 return choice
         origin = origin if origin is not None else Origin.of(scheme, host, port)
-        choice = CONNECTION_BOOK.of(origin).choice(mode, unix_socket=self.unix_socket)
-        announce_choice(origin, choice, self.stats)
+        choice = self._book.of(origin).choice(mode, unix_socket=self.unix_socket)
+        self._book.announce(origin, choice, self.stats)
         if choice.final and mode == self._mode:
             self._chosen[key] = choice
         return choice
 
     def answered(self, scheme: str, host: str, port: int | None, first_byte: float) -> None:
         """A request answered at its first attempt while its origin's strategy is being measured."""
-        teach(Origin.of(scheme, host, port), self.stats, request=first_byte)
+        self._book.teach(Origin.of(scheme, host, port), self.stats, request=first_byte)

@@ -126,21 +126,16 @@ def classify_request(method: str, path: str, body: bytes | None) -> RequestKind:
 
 
 def first_attempt_goes_as_is(
-    body: bytes | None,
-    *,
-    has_overrides: bool,
-    adds_deadline: bool,
-    closes_connection: bool,
-    hooks_follow: bool = True,
+    body: bytes | None, *, has_overrides: bool, adds_deadline: bool, hooks_follow: bool = True
 ) -> TypeGuard[bytes]:
-    """Whether a request's first attempt may go out exactly as the caller built it, with no per-request state.
+    """Whether a request's first attempt may go out as the caller built it, with no per-request state.
 
     That needs: no per-request options, a ``body`` that can be sent again (not None: a one-shot stream would need a
-    copy before a retry), no first-byte deadline to arm, no ``Connection: close`` to add (a llama stream in "close"
-    mode, or any request under the "close" connection strategy), and an adapter that sees the attempt's connection
-    anyway (``hooks_follow``: it can still probe a new connection and catch a failure). Every adapter asks this one
-    question, so that they agree on which requests pay for the guard's bookkeeping."""
-    return hooks_follow and body is not None and not (has_overrides or adds_deadline or closes_connection)
+    copy before a retry), no first-byte deadline to arm, and a stack that sees the attempt's connection anyway
+    (``hooks_follow``: it can still probe a new connection and catch a failure). A ``Connection: close`` it needs goes
+    on a copy of the caller's headers. Every stack asks this one question (through `Guard.plan`), so that they agree
+    on which requests pay for the guard's bookkeeping."""
+    return hooks_follow and body is not None and not (has_overrides or adds_deadline)
 
 
 class Progress(enum.IntEnum):

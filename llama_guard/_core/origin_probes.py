@@ -1,9 +1,9 @@
 """What the guard learns about probing one origin: the probe deadline in force, and admission of new connections.
 
-Sans-I/O: an adapter (httpx, aiohttp) asks this module for a deadline and a turn, does the I/O itself, and reports
-what happened. One `OriginProbes` per origin, shared by every transport of the process through `PROBE_BOOK`: the
-answer time of ``GET /health`` is the server's, and a burst that stalls a server is made of the connections of
-every client in the process, not of one pool.
+Sans-I/O: a new connection's machine (``connection_machine.py``) asks this module for a deadline and a turn, its
+driver does the I/O, and the machine reports what happened. One `OriginProbes` per origin, shared by every guard of
+the process through its `ProbeBook` (``ProcessState.probes``): the answer time of ``GET /health`` is the server's,
+and a burst that stalls a server is made of the connections of every client in the process, not of one pool.
 
 The deadline (see docs/how-it-works.md): once ``LEARN_AFTER`` probes of the origin were answered, a first probe
 waits ``factor`` times the slowest of the last ``WINDOW`` answers, at least ``probe_timeout_min`` and at most the
@@ -11,9 +11,9 @@ configured ``probe_timeout``. A busy server answers late and its answers raise t
 never answers and teaches nothing. A probe given up on whose answer still arrives (``probe_answered_late``) counts
 as an answer of that latency, so one false alarm lifts the deadline above it.
 
-Late answers (`GivenUpProbe`): a connection given up on is kept, half closed (`late_answers.WatchedConnection`),
-and looked at without reading whenever a probe of the origin starts, waits a slice, or is answered, and once more
-when its watch ends (`late_answers.EXPIRY`); it is closed when the watch settles. An answer seen
+Late answers (`GivenUpProbe`): a connection given up on is kept, half closed (``_runtime.late_answers``), and
+looked at without reading whenever a probe of the origin starts, waits a slice, or is answered, and once more when
+its watch ends (the book's `Scheduler`); it is closed when the watch settles. An answer seen
 there counts as late (a false alarm: the server was serving it, only slowly) unless a connection opened after the
 give-up was being probed meanwhile: cpp-httplib serves waiting connections oldest first, so the thread it starts for
 a new connection first answers the stalled ones, just before the new one; such an answer proves nothing about load.
@@ -22,7 +22,7 @@ The count is so a lower bound of false alarms (a server's own count of ``GET /he
 Admission: while a probe of the origin was given up within ``RECOVERY_WINDOW`` seconds (``"after_stall"``), or
 always (``"always"``), new connections to it are opened and probed one at a time, in the order they asked: the
 next connection is opened once the previous one's probe was answered or given up. Reconnects after a stall then
-reach the server one by one instead of as a new burst. A waiting connection sleeps until woken (`turns.Turn`): the
+reach the server one by one instead of as a new burst. A waiting connection sleeps until woken (`Turn`): the
 connection that frees the turn wakes the one now first in the queue, in whatever thread or event loop it waits.
 """
 
@@ -34,24 +34,23 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-from .late_answers import EXPIRY
 from .origins import Origin
 from .policy import GuardPolicy
 from .stats import GuardStats
-from .turns import Turn
 
 __all__ = [
     "Admission",
     "LEARN_AFTER",
-    "PROBE_BOOK",
     "PROBE_SLICE",
     "RECOVERY_WINDOW",
     "WINDOW",
     "GivenUpProbe",
+    "GivenUpWatches",
     "OriginProbes",
     "ProbeBook",
+    "Turn",
 ]
 
 # Answers needed before the learnt deadline replaces the configured one, and how many recent answers it looks at.
@@ -66,6 +65,17 @@ PROBE_SLICE = 0.02
 
 def _nothing() -> None:
     pass
+
+
+class Turn(Protocol):
+    """How a connection waiting for admission is woken (``_runtime/turns.py``: a thread's, an event loop's)."""
+
+    def wake(self) -> None:
+        """Tell the waiter its turn may have come; callable from any thread, at any time (also after the wait)."""
+
+
+class _Scheduler(Protocol):
+    def at(self, when: float, call: Callable[[], None]) -> None: ...
 
 
 @dataclass(eq=False)
@@ -88,6 +98,32 @@ class GivenUpProbe:
         self.close()
 
 
+class GivenUpWatches:
+    """The watches one guard started (a transport's, a connector's): ended when it closes, so that its given-up
+    connections go with it."""
+
+    __slots__ = ("_lock", "_watches")
+
+    def __init__(self) -> None:
+        self._watches: list[GivenUpProbe] = []
+        self._lock = threading.Lock()
+
+    def add(self, watch: GivenUpProbe) -> None:
+        with self._lock:
+            self._watches = [kept for kept in self._watches if not kept.settled]
+            self._watches.append(watch)
+
+    def end_all(self) -> None:
+        with self._lock:
+            watches, self._watches = self._watches, []
+        for watch in watches:
+            watch.end()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(not watch.settled for watch in self._watches)
+
+
 class OriginProbes:
     """The probe state of one origin; thread-safe (sync transports share it between threads)."""
 
@@ -104,12 +140,16 @@ class OriginProbes:
         "_probes_started",
         "_queue",
         "_recent_answers",
+        "_scheduler",
         "_turns",
         "origin",
     )
 
-    def __init__(self, origin: Origin) -> None:
+    def __init__(self, origin: Origin, scheduler: _Scheduler | None = None) -> None:
+        """``scheduler``: calls the last look at a given-up connection when its watch ends (none: the look comes
+        with the origin's next probe, or when the watch is ended)."""
         self.origin = origin
+        self._scheduler = scheduler
         self._lock = threading.Lock()
         self._answers: collections.deque[float] = collections.deque(maxlen=WINDOW)
         # (when, probe number) of recent answers: tells an answer drained by a newer connection.
@@ -194,7 +234,8 @@ class OriginProbes:
             self._last_given_up = now
             given_up = GivenUpProbe(peek, stats, started, started + watch, self._probes_started, now, close)
             self._given_up.append(given_up)
-        EXPIRY.at(given_up.watch_until, self.check_given_up)  # the last look, even if no probe comes to look
+        if self._scheduler is not None:  # the last look, even if no probe comes to look
+            self._scheduler.at(given_up.watch_until, self.check_given_up)
         return given_up
 
     def check_given_up(self) -> None:
@@ -293,17 +334,18 @@ class OriginProbes:
 
 
 class ProbeBook:
-    """`OriginProbes` by origin, created on first use."""
+    """`OriginProbes` by origin, created on first use (``scheduler``: see `OriginProbes`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: _Scheduler | None = None) -> None:
         self._lock = threading.Lock()
+        self._scheduler = scheduler
         self._origins: dict[Origin, OriginProbes] = {}
 
     def of(self, origin: Origin) -> OriginProbes:
         probes = self._origins.get(origin)  # a dict lookup is atomic in CPython: the lock only guards creation
         if probes is None:
             with self._lock:
-                probes = self._origins.setdefault(origin, OriginProbes(origin))
+                probes = self._origins.setdefault(origin, OriginProbes(origin, self._scheduler))
         return probes
 
     def forget(self) -> None:
@@ -312,19 +354,14 @@ class ProbeBook:
             self._origins.clear()
 
 
-# The process's book: transports share it unless given their own.
-PROBE_BOOK = ProbeBook()
-
-
 TurnT = TypeVar("TurnT", bound=Turn)
 
 
 class Admission(Generic[TurnT]):
     """A new connection's place in its origin's queue (``connect_admission``): taken before it is opened, left once
-    it is probed (`leave`, whatever happened). ``waits``: it was not admitted at once; the driver then waits on
-    ``turn`` (made in the driver's own thread or event loop) until `admitted`, bounded by its connect timeout and
-    leaving if cancelled, then reports `waited`; a wait that timed out raises the driver's ConnectTimeout with
-    `timeout_message`."""
+    it is probed (`leave`, whatever happened). ``waits``: it was not admitted at once; the drive loop then waits on
+    ``turn`` (made in its own thread or event loop) until `admitted`, bounded by the connect timeout and leaving if
+    cancelled, then reports `waited`; a wait that timed out fails the connect with `timeout_message`."""
 
     __slots__ = ("_probes", "_started", "_stats", "_ticket", "turn", "waits")
 
@@ -335,15 +372,6 @@ class Admission(Generic[TurnT]):
         self._ticket = probes.take_ticket(turn)
         self.waits = not probes.admit(self._ticket)
         self._started = time.monotonic()
-
-    @classmethod
-    def of(cls, run: Any, turn: Callable[[], TurnT]) -> Admission[TurnT] | None:
-        """The admission of ``run``'s new connection, or None when its origin lets connections open freely now;
-        ``turn`` makes the waiter's `Turn` (called only when needed)."""
-        probes: OriginProbes = run.origin_probes
-        if not probes.admission_needed(run.policy):
-            return None
-        return cls(probes, run.stats, turn())
 
     def admitted(self) -> bool:
         """Whether its turn has come (asked again after each wake-up of ``turn``)."""

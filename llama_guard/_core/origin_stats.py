@@ -22,7 +22,7 @@ from typing import Any
 from .origins import Origin
 from .stats import GuardStats, LatencyHistogram, StatsSnapshot
 
-__all__ = ["COUNTS", "EVERY_STATS", "Accounts", "CountsPerOrigin", "OriginStats", "OriginTotals", "StatsSet"]
+__all__ = ["COUNTS", "EVERY_STATS", "Accounts", "OriginStats", "OriginTotals", "StatsSet"]
 
 #: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
 COUNTS = (
@@ -290,27 +290,3 @@ class Accounts:
             if len(self._known) < self.MAX_REMEMBERED:
                 self._known[scheme, host, port] = account
         return account
-
-
-class CountsPerOrigin:
-    """The ``stats`` of a guard (a transport, a middleware, an adapter) and its accounts per origin (`Accounts`,
-    under the class's ``STACK``): replacing ``stats`` (by one shared with other guards) moves the accounts, and the
-    records of the guard's connection strategies (``_strategies``, once made), with it."""
-
-    STACK: str
-    _stats: GuardStats
-    _accounts: Accounts
-    _strategies: Any
-
-    @property
-    def stats(self) -> GuardStats:
-        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
-        return self._stats
-
-    @stats.setter
-    def stats(self, stats: GuardStats) -> None:
-        self._stats = stats
-        self._accounts = Accounts(stats, self.STACK)
-        strategies = getattr(self, "_strategies", None)
-        if strategies is not None:
-            strategies.stats = stats

@@ -1,38 +1,34 @@
-"""`AsyncGuardTransport`, the guard as an httpx async transport.
+"""`AsyncGuardTransport`, the guard as an httpx async transport: the httpx driver of the shared core.
 
 This file is the source of truth: ``scripts/unasync.py`` generates ``sync_transport.py`` from it, and CI checks
-that the generated file is current. Keep the I/O here and every decision in the sans-I/O modules.
+that the generated file is current. It does httpx's I/O only: every decision is the core's (``_core/guard.py``
+plans a request, ``_core/request_machine.py`` decides its attempts), and the loop over them is the shared one
+(``_drive/async_drive.py``), fed by `_AsyncAttempts`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, NoReturn
+from typing import Any
 
-import anyio
-import httpcore
 import httpx
 
-from .._core import probe_machine
-from .._core.connection_strategy import Strategies
-from .._core.decisions import first_attempt_goes_as_is
-from .._core.late_answers import GivenUpWatches
-from .._core.llama_server import RETRIED_STATUSES
-from .._core.log import STALL_LOG, WARN_ONCE, logger
-from .._core.origin_probes import PROBE_BOOK
-from .._core.origin_stats import CountsPerOrigin
+from .._core import connection_machine as connection
+from .._core.guard import Guard, GuardedStats, RequestPlan
+from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
+from .._core.log import logger
 from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
-from .._core.request_state import MAX_RETRIED_ERROR_BODY
-from .._core.result import EXTENSION, new_result
-from .._core.retry_schedule import RetrySchedule
+from .._core.process_state import ProcessState
+from .._core.request_machine import MAX_RETRIED_ERROR_BODY, Answered, Begin, ErrorBodyRead, Fail, Failed, Send
+from .._core.result import EXTENSION, GuardResult
 from .._core.stats import GuardStats
-from .async_connections import track_connections
-from .attempts import FirstAttempt, RequestRun, request_body, with_connection_close
-from .exceptions import ProbeError, ProbeTimeout
+from .._drive.async_drive import advance_connection, drive_request
+from .._runtime import PROCESS
+from .async_connections import AsyncStreamIO, negotiated_http2, track_connections
+from .attempts import AttemptBody, caller_error, judged_failure, request_body, with_connection_close
 from .internals import (
-    KEEPALIVE_EXPIRY,
     bypassing_mounts,
     cap_keepalive_expiry,
     check_versions,
@@ -48,26 +44,12 @@ __all__ = ["AsyncGuardTransport"]
 
 # llama-server keeps an idle connection for 5 s (`Keep-Alive: timeout=5`): expire ours first, so that the pool
 # never picks a connection at the moment the server closes it.
-DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_EXPIRY)
+DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=CLIENT_KEEPALIVE)
 # The stack's name in the counts per origin (stats.by_origin(), llama_guard.metrics): "httpx", or "httpx2" in the twin.
 STACK = httpx.__name__
 
 
-# Kicks open a bare TCP connection with httpcore's public backend (the pool's own is the caller's to configure).
-_KICK_BACKEND = httpcore.AnyIOBackend()
-
-
-async def _kick(kick: probe_machine.Kick) -> BaseException | None:
-    """Open one TCP connection and close it at once, writing nothing (`probe_machine.Kick`); the failure if any."""
-    try:
-        stream = await _KICK_BACKEND.connect_tcp(kick.host, kick.port, timeout=kick.timeout)
-    except (httpcore.NetworkError, httpcore.TimeoutException, OSError) as exc:
-        return exc
-    await stream.aclose()
-    return None
-
-
-class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
+class AsyncGuardTransport(GuardedStats, httpx.AsyncBaseTransport):
     """An httpx async transport that makes a pooled client safe against llama-server.
 
     Wraps ``transport`` (default: a new `httpx.AsyncHTTPTransport` whose keep-alive expiry is below
@@ -86,10 +68,12 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         policy: GuardPolicy | None = None,
         stats: GuardStats | None = None,
         origins: OriginRegistry | None = None,
+        process: ProcessState | None = None,
     ) -> None:
         """``stats``: a `GuardStats` to count into (shared by several transports), else a new one. ``origins``: the
         registry of llama-server origins to share with other transports (what `install()` passes); else the
-        policy's."""
+        policy's. ``process``: what the guards of the process share (the probe deadlines learnt, the connection
+        strategies...); the process's own unless given (tests)."""
         if policy is not None and not isinstance(policy, GuardPolicy):
             raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
         if transport is not None and not isinstance(transport, httpx.AsyncBaseTransport):
@@ -100,19 +84,22 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         if stats is not None and not isinstance(stats, GuardStats):
             raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
         self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
-        self._policy = policy if policy is not None else GuardPolicy()
-        self.stats = stats if stats is not None else GuardStats()
-        self._origins = origins if origins is not None else OriginRegistry(self._policy.origins)
-        # Learnt probe deadlines and connection admission, per origin: the process's, shared by every transport.
-        self._book = PROBE_BOOK
-        # Connections whose probe was given up, watched a while for a late answer: closed when this transport is.
-        self._given_up = GivenUpWatches()
+        policy = policy if policy is not None else GuardPolicy()
+        process = process if process is not None else PROCESS
+        self._guard = Guard(
+            policy=policy,
+            stats=stats if stats is not None else GuardStats(),
+            origins=origins if origins is not None else OriginRegistry(policy.origins),
+            stack=STACK,
+            process=process,
+            unix_socket=unix_socket_path(self._transport) is not None,
+        )
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
         # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the
         # library versions the guard was tested with; otherwise, or when the pool is out of reach (a wrapper
         # around a transport), through httpcore's public trace extension.
-        untested = check_versions()
+        untested = check_versions(process.warnings)
         pool = hookable_pool(self._transport) if untested is None else None
         if pool is not None:
             fix_pool_race(self._transport)  # httpcore 1.x can close a connection another request is using
@@ -122,28 +109,17 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
         self._hooked = pool is not None
         self._bypass_checked = False  # whether its client was looked at for transports that send round it
-        # How the wrapped transport connects: through a Unix socket (a new connection costs no round trip), and
-        # whether HTTP/2 may carry a request (no Connection: close there; h2c with prior knowledge: no probe).
+        # Whether HTTP/2 may carry a request (no Connection: close there).
         self._http1, self._http2 = http_versions(self._transport)
-        self._strategies = Strategies(
-            self._policy.connection, self.stats, unix_socket=unix_socket_path(self._transport) is not None
-        )
         self._is_streaming = streaming_check(untested is None)
-        self._probe_connection = self._probe
-        # Read for every request: plain attributes.
-        self._every_origin = self._origins.every_origin
-        self._close_streams = self._policy.stream_mode == "close"
-        self._adds_deadline = self._policy.first_byte_timeout is not None
-        self._drops_streams = self._policy.stream_mode != "off"
-        # Origins whose server closed the connection after answering a probe: probing them cannot work.
-        self._unprobeable: set[Origin] = set()
+        self._every_origin = self._guard.origins.every_origin  # read for every request: a plain attribute
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
         self._reports_trace_events: bool | None = None
 
     @property
     def policy(self) -> GuardPolicy:
-        return self._policy
+        return self._guard.policy
 
     @property
     def transport(self) -> httpx.AsyncBaseTransport:
@@ -151,7 +127,7 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         return self._transport
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self._policy!r} around {type(self._transport).__name__}>"
+        return f"<{type(self).__name__} {self.policy!r} around {type(self._transport).__name__}>"
 
     async def __aenter__(self) -> AsyncGuardTransport:
         self._say_if_bypassed()  # a client entering its transports: before any request
@@ -160,8 +136,7 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         self._say_if_bypassed()
-        self._given_up.end_all()
-        STALL_LOG.flush()
+        self._guard.close()
         await self._transport.aclose()
 
     def _say_if_bypassed(self) -> None:
@@ -178,163 +153,78 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             f"the client mounted its own transports for {', '.join(patterns)} (proxy= or mounts=), which send its "
             "requests round this guard"
         )
-        WARN_ONCE.warning(
+        self._guard.process.warnings.warning(
             f"llama_guard: {type(self).__name__} is bypassed: {self.stats.bypassed}. Guard the client with "
             "llama_guard.guard(client) (it wraps the mounted transports too), or mount the guard: "
             "mounts={'all://': GuardTransport(httpx.HTTPTransport(proxy=...))}"
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        guard = self._guard
         origin = None
         if not self._every_origin:
             origin = Origin.of_url(request.url)
-            if not self._origins.is_llama(origin):
+            if not guard.origins.is_llama(origin):
                 return await self._pass_through(request, origin)
-        overrides = request.extensions.get(EXTENSION)
-        policy = self._policy if overrides is None else self._policy.merged(overrides)
         body, stream = request_body(request)
-        started = time.monotonic()
         url = request.url
-        scheme, host, port = url.scheme, url.host, url.port
-        stats = self._accounts.of(scheme, host, port, origin)
-        connection = self._strategies.choice(scheme, host, port, origin, policy.connection)
-        may_close = self._may_close(url)
-        closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
-        if not first_attempt_goes_as_is(
-            body,
-            has_overrides=overrides is not None,
-            adds_deadline=self._adds_deadline,
-            closes_connection=False,  # a FirstAttempt sends a copy of the request with Connection: close
-            hooks_follow=self._hooked,
-        ):
-            # The first attempt needs per-request state (or a one-shot body): a RequestRun from the start.
-            run = RequestRun(
-                request,
-                origin,
-                policy,
-                stats,
-                self._probe_connection,
-                body=body,
-                stream=stream,
-                user_stream=request.stream,
-                started=started,
-                book=self._book,
-                connection=connection,
-                may_close=may_close,
-            )
-            return await self._guarded(run)
-
-        # The usual request: its first attempt goes out with no RequestRun unless something needs one (FirstAttempt).
-        # Most requests are answered here: on a pooled connection (reuse), or on a new one with Connection: close.
-        first = FirstAttempt(
+        plan = guard.plan(
             request,
+            scheme=url.scheme,
+            host=url.host,
+            port=url.port,
             origin=origin,
-            policy=policy,
-            stats=stats,
-            prober=self._probe_connection,
-            book=self._book,
-            content=body,
-            wants_stream=stream,
-            started=started,
-            connection=connection,
-            may_close=may_close,
+            overrides=request.extensions.get(EXTENSION),
+            body=body,
+            stream=stream,
+            started=time.monotonic(),
+            may_close=not self._http2 or (self._http1 and url.scheme == "http"),  # HTTP/2 forbids the header
+            hooks_follow=self._hooked,
         )
-        user_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
-        sent = with_connection_close(request, first, request.extensions) if closes else request
+        if not plan.as_is:
+            return await drive_request(plan.start(), _AsyncAttempts(self, plan), Begin())
+
+        # The usual request: its first attempt goes out as the caller built it, with no machine unless something
+        # needs one. Most requests are answered here: on a pooled connection (reuse), or on a new one with
+        # Connection: close (on a copy of the request: the caller's headers are never changed).
+        caller_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
+        first = AttemptBody(plan, body, caller_stream)
+        sent = with_connection_close(request, first, request.extensions) if plan.close_connection else request
         sent.stream = first
         try:
             response = await self._transport.handle_async_request(sent)
         except Exception as exc:
-            request.stream = user_stream
-            return await self._guarded(first.guarded_run(), exc)
+            request.stream = caller_stream
+            first.plan = None
+            attempts = _AsyncAttempts(self, plan)
+            return await drive_request(plan.machine(), attempts, attempts.failed(exc))
         except BaseException:  # cancelled: counted, and nothing left attached to the request
-            request.stream = user_stream
-            if first.run is not None:
-                first.run.end_attempt()
-            stats.record_request(1, None, False)
+            request.stream = caller_stream
+            first.plan = None
+            plan.interrupted()
             raise
-        request.stream = user_stream
+        request.stream = caller_stream
+        first.plan = None
         if response.status_code in RETRIED_STATUSES:
-            run = first.guarded_run()
-            run.end_attempt()
-            return await self._guarded(run, response)
-        if first.run is not None:  # the connection hooks probed a new connection for this attempt
-            first.run.end_attempt()
-        closing = closes or (
-            self._drops_streams and self._is_streaming(response.headers) and self._drop_after_stream(response, stats)
+            attempts = _AsyncAttempts(self, plan)
+            return await drive_request(plan.machine(), attempts, attempts.answered(response))
+        dropped = (
+            plan.drops_streams
+            and self._is_streaming(response.headers)
+            and self._drop_after_stream(response, plan.stats)
         )
-        first_byte = time.monotonic() - started
-        if not connection.final:
-            self._strategies.answered(url.scheme, url.host, url.port, first_byte)
-        result = (1, 0, first_byte, stream, closing, (), connection.strategy)
-        response.extensions[EXTENSION] = new_result(result)
-        stats.record_request(1, first_byte, closes and stream)  # a stream's connection closed by the header
+        response.extensions[EXTENSION] = plan.answered_at_once(dropped)
         return response
 
-    def _may_close(self, url: httpx.URL) -> bool:
-        """Whether ``Connection: close`` may go on a request to ``url``: not where it may travel on HTTP/2, which
-        forbids the header (an https origin with http2=True, or h2c with prior knowledge)."""
-        return not self._http2 or (self._http1 and url.scheme == "http")
-
-    async def _guarded(self, run: RequestRun, first: httpx.Response | Exception | None = None) -> httpx.Response:
-        """A request with a `RequestRun`: its attempts, retries, result and counters. ``first``: the outcome of its
-        first attempt when that was sent already (as a `FirstAttempt`), else None."""
-        try:
-            if first is None:
-                outcome = await self._attempt(run)
-            elif isinstance(first, Exception):
-                outcome = self._attempt_failed(run, first)
-            else:
-                outcome = await self._attempt_answered(run, first)
-            # Attempts after the first, paced and bounded by the retry schedule; most requests never need them.
-            if run.may_retry:
-                schedule = RetrySchedule(run)
-                while (delay := schedule.next_delay()) is not None:
-                    await anyio.sleep(delay)
-                    outcome = await self._attempt(run)
-            if isinstance(outcome, Exception):
-                if isinstance(outcome, httpx.TransportError):
-                    raise run.final_error(outcome) from outcome
-                raise outcome
-            response = outcome
-            closing = run.close_connection
-            if not closing and run.policy.stream_mode != "off" and self._is_streaming(response.headers):
-                closing = self._drop_after_stream(response, run.stats)
-            response.extensions[EXTENSION] = run.result(closing)
-            return response
-        finally:
-            # One locked update of the counters per request, however it ended.
-            run.stats.record_request(run.attempts, run.first_byte, run.closed_by_header)
-
-    async def _attempt(self, run: RequestRun) -> httpx.Response | Exception:
-        """One attempt, judged: its response, or the error to raise from it (retried or not by the schedule)."""
-        # The usual way: the hooks on the pool (async_connections.py) see a new connection and report it to this
-        # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all. A
-        # transport whose pool is out of reach is followed through httpcore's trace extension instead.
-        trace = None if self._hooked else _AsyncTracer(run, self._probe)
-        request = run.begin_attempt(trace)
-        try:
-            response = await self._transport.handle_async_request(request)
-        except Exception as exc:
-            return self._attempt_failed(run, exc)
-        except BaseException:
-            run.end_attempt()
-            raise
-        if trace is not None and not self._reports_trace_events:
-            self._learn_trace_support(run)
-        run.end_attempt()
-        return await self._attempt_answered(run, response)
-
-    def _learn_trace_support(self, run: RequestRun) -> None:
+    def _learn_trace_support(self, plan: RequestPlan, saw_events: bool) -> None:
         """After an answer on the trace path: a wrapped transport that reported no trace event does not send
         through httpcore, so the guard cannot probe its new connections. Said once per transport, in the log and in
         ``stats.probing_off``; a later answer with trace events (a cache hit came first, say) takes it back."""
-        assert run.tracker is not None
-        if run.tracker.saw_events:
+        if saw_events:
             self._reports_trace_events = True
             self.stats.probing_off = None
             return
-        if self._reports_trace_events is False or not run.policy.probe or run.connection.strategy == "close":
+        if self._reports_trace_events is False or not plan.policy.probe or plan.connection.strategy == "close":
             return
         self._reports_trace_events = False
         name = type(self._transport).__name__
@@ -342,93 +232,21 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
             f"{name} does not send through httpcore (it reports no trace events), so the guard cannot probe its new "
             "connections"
         )
-        logger.warning(
-            "%s: new connections to %s are not probed, so a connection that llama-server before b11737 leaves "
-            "unread is not caught (retries and stream handling still apply). Guard an httpx.HTTPTransport "
-            "instead, or for an aiohttp-based transport (litellm's) use llama_guard.install() or llama_guard.aiohttp",
-            self.stats.probing_off,
-            run.origin,
+        logger.warning(  # once per transport: each transport's wrapped transport is its own
+            f"{self.stats.probing_off}: new connections to {plan.origin} are not probed, so a connection that "
+            "llama-server before b11737 leaves unread is not caught (retries and stream handling still apply). "
+            "Guard an httpx.HTTPTransport instead, or for an aiohttp-based transport (litellm's) use "
+            "llama_guard.install() or llama_guard.aiohttp"
         )
 
-    def _attempt_failed(self, run: RequestRun, exc: Exception) -> Exception:
-        """Judge the attempt's failure (the verdict goes to ``run``) and end the attempt; the error to raise: the
-        exception itself, or the guard's name for it (a first-byte expiry becomes `FirstByteTimeout`)."""
-        error = run.attempt_failed(exc)
-        run.end_attempt()
-        if error is not exc:
-            error.__cause__ = exc
-        assert isinstance(error, Exception)
-        return error
-
-    async def _attempt_answered(self, run: RequestRun, response: httpx.Response) -> httpx.Response | Exception:
-        if run.headers_arrived(response):
-            # A short error body; read it so the connection goes back to the pool, and so the caller still gets
-            # it whole if this turns out to be the last attempt.
-            try:
-                await response.aread()
-            except Exception as exc:  # judged as the 503/429 it was: retried by the schedule
-                return exc
-            finally:
-                await response.aclose()
-            assert len(response.content) <= MAX_RETRIED_ERROR_BODY
-        return response
-
-    async def _probe(self, stream: Any, run: RequestRun) -> None:
-        """Ask a new connection for ``GET /health`` before the real request is written to it: the I/O of a
-        `ProbeMachine`, which decides everything else.
-
-        Runs inside httpcore's connect, from the pool's network backend (``async_connections.py``) or the ``trace``
-        extension, with the new network stream. On failure the error fails the connect, so the connection never
-        enters the pool and the request is retried on a fresh one; the stream is closed here (httpcore has not
-        stored it yet).
-        """
-        if run.origin in self._unprobeable:
-            return
-        ssl_object = stream.get_extra_info("ssl_object")
-        if ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
-            # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
-            run.probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
-            return
-        machine = probe_machine.ProbeMachine(run, socket=stream.get_extra_info("socket"))
-        action = machine.next(probe_machine.Start())
-        while not isinstance(action, probe_machine.Usable):
-            if isinstance(action, probe_machine.Abort):
-                await stream.aclose()
-                self._aborted(action, run)
-            event: probe_machine.ProbeEvent
-            try:
-                if isinstance(action, probe_machine.Write):
-                    await stream.write(action.data, timeout=action.timeout)
-                    event = probe_machine.Written()
-                elif isinstance(action, probe_machine.Read):
-                    event = probe_machine.Received(await stream.read(probe_machine.READ_SIZE, timeout=action.timeout))
-                else:
-                    event = probe_machine.Kicked(await _kick(action))
-            except httpcore.TimeoutException:
-                event = probe_machine.TimedOut()
-            except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-                event = probe_machine.Broken(exc)
-            except BaseException:
-                machine.next(probe_machine.Cancelled())
-                await stream.aclose()
-                raise
-            action = machine.next(event)
-
-    def _aborted(self, abort: probe_machine.Abort, run: RequestRun) -> NoReturn:
-        """A probe failed (its stream closed): keep its late-answer watch, and fail the connect."""
-        if abort.watch is not None:
-            self._given_up.add(abort.watch)
-        if abort.unprobeable:
-            self._unprobeable.add(run.origin)
-        raise (ProbeTimeout if abort.timed_out else ProbeError)(abort.message, request=run.request)
-
     async def _pass_through(self, request: httpx.Request, origin: Origin) -> httpx.Response:
+        guard = self._guard
         self.stats.add(passthrough=1)
         response = await self._transport.handle_async_request(request)
         if (
-            self._origins.learns
-            and self._origins.learn(origin, response.headers)
-            and self._policy.stream_mode != "off"
+            guard.origins.learns
+            and guard.origins.learn(origin, response.headers)
+            and guard.policy.stream_mode != "off"
             and self._is_streaming(response.headers)
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server, so its connection
@@ -437,6 +255,7 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         return response
 
     def _drop_after_stream(self, response: httpx.Response, stats: GuardStats) -> bool:
+        """Have a llama-server stream's connection shut when the response closes, before httpcore would pool it."""
         if response.extensions.get("http_version", b"HTTP/1.1") != b"HTTP/1.1":
             # An HTTP/2 connection carries other requests' streams: dropping it would kill them. Whatever speaks
             # HTTP/2 to us is not llama-server (HTTP/1.1 only), and keeps its connection when a stream ends.
@@ -448,29 +267,160 @@ class AsyncGuardTransport(CountsPerOrigin, httpx.AsyncBaseTransport):
         return True
 
 
+class _AsyncAttempts:
+    """The httpx I/O of one guarded request's attempts, for the shared drive loop (`AsyncAttemptIO`).
+
+    The one place that changes the caller's ``httpx.Request``: each attempt lends it the attempt's body (and
+    extensions, when the attempt needs its own) instead of copying the request, and gives the caller's back, whatever
+    the attempt's outcome. A request that needs ``Connection: close`` goes out as a new ``httpx.Request``.
+    """
+
+    __slots__ = ("_caller_extensions", "_caller_stream", "_error", "_plan", "_response", "_timeouts", "_transport")
+
+    def __init__(self, transport: AsyncGuardTransport, plan: RequestPlan) -> None:
+        self._transport = transport
+        self._plan = plan
+        request = plan.request
+        self._caller_extensions: dict[str, Any] = request.extensions
+        self._caller_stream = request.stream
+        self._response: httpx.Response | None = None
+        self._error: Exception | None = None
+        self._timeouts: dict[str, Any] | None = None  # the attempt's, while its first-byte deadline is armed
+
+    async def send(self, send: Send) -> Answered | Failed:
+        plan = self._plan
+        request: httpx.Request = plan.request
+        transport = self._transport
+        # The usual way: the hooks on the pool (async_connections.py) see a new connection and report it to this
+        # request, which the attempt's body names; an attempt on a pooled connection passes no hook at all. A
+        # transport whose pool is out of reach is followed through httpcore's trace extension instead.
+        trace = None if transport._hooked else _AsyncTracer(plan)
+        extensions = self._extensions(send, trace)
+        body = AttemptBody(plan, plan.body, self._caller_stream)
+        if send.close_connection:
+            sent = with_connection_close(request, body, extensions)
+        else:
+            request.extensions = extensions
+            request.stream = body
+            sent = request
+        try:
+            response = await transport.transport.handle_async_request(sent)
+        except Exception as exc:
+            return self.failed(exc)
+        finally:
+            body.plan = None  # httpcore keeps the body as long as the response: it must not keep the plan alive
+            request.extensions = self._caller_extensions
+            request.stream = self._caller_stream
+        if trace is not None and not transport._reports_trace_events:
+            transport._learn_trace_support(plan, trace.saw_events)
+        return self.answered(response)
+
+    def _extensions(self, send: Send, trace: _AsyncTracer | None) -> dict[str, Any]:
+        """The extensions an attempt goes out with: the caller's own object unless it needs the first-byte deadline
+        or the guard's ``trace`` callback; never the guard's own options."""
+        extensions = self._caller_extensions
+        self._timeouts = None
+        if trace is None and send.first_byte_deadline is None and EXTENSION not in extensions:
+            return extensions
+        extensions = dict(extensions)
+        extensions.pop(EXTENSION, None)
+        if trace is not None:
+            extensions["trace"] = trace
+        if send.first_byte_deadline is not None:
+            # The deadline rides on httpcore's read timeout, looked up for the headers and again for the body (the
+            # caller's own is put back in `answered`).
+            timeouts = self._timeouts = dict(extensions.get("timeout", {}))
+            timeouts["read"] = send.first_byte_deadline
+            extensions["timeout"] = timeouts
+        return extensions
+
+    def failed(self, exc: Exception) -> Failed:
+        event, self._error = judged_failure(self._plan, exc)
+        return event
+
+    def answered(self, response: httpx.Response) -> Answered:
+        self._response = response
+        timeouts = self._timeouts
+        if timeouts is not None:  # the body is read under the caller's own read timeout
+            caller: dict[str, Any] = self._caller_extensions.get("timeout", {})
+            if "read" in caller:
+                timeouts["read"] = caller["read"]
+            else:
+                del timeouts["read"]
+        return Answered(response.status_code, response.headers, self._transport._is_streaming(response.headers))
+
+    async def read_error_body(self) -> ErrorBodyRead | Failed:
+        response = self._response
+        assert response is not None
+        try:
+            await response.aread()
+        except Exception as exc:
+            self._error = exc
+            return Failed(None)  # judged as the 503/429 it was
+        finally:
+            await response.aclose()
+        assert len(response.content) <= MAX_RETRIED_ERROR_BODY
+        return ErrorBodyRead()
+
+    def drop_stream(self) -> bool:
+        assert self._response is not None
+        return self._transport._drop_after_stream(self._response, self._plan.stats)
+
+    def respond(self, result: GuardResult) -> httpx.Response:
+        response = self._response
+        assert response is not None
+        response.extensions[EXTENSION] = result
+        return response
+
+    def error(self, fail: Fail | None) -> BaseException:
+        assert self._error is not None
+        return caller_error(self._error, fail)
+
+
 class _AsyncTracer:
     """For a wrapped transport whose pool the guard cannot reach: the ``trace`` extension of one attempt, which
-    follows its progress, probes a new connection, and passes every event on to the caller's own trace callback."""
+    follows its progress, drives a new connection's machine (no admission: it cannot wait inside a trace event),
+    and passes every event on to the caller's own trace callback."""
 
-    __slots__ = ("_direct", "_probe_event", "_prober", "_run", "_user_trace")
+    __slots__ = ("_connection", "_io", "_machine", "_tracker", "_user_trace")
 
-    def __init__(self, run: RequestRun, prober: Any) -> None:
-        self._run = run
-        self._prober = prober
-        # The probe goes right after the connection is ready for HTTP: after TLS for https.
-        https = run.request.url.scheme == "https"
-        self._probe_event = "connection.start_tls.complete" if https else "connection.connect_tcp.complete"
-        self._user_trace = run.request.extensions.get("trace")
-        self._direct = True  # False when httpcore connects to a proxy, not to the origin: nothing to probe then
+    def __init__(self, plan: RequestPlan) -> None:
+        self._machine = plan.machine()
+        self._tracker = self._machine.follow_trace()
+        self._user_trace = plan.request.extensions.get("trace")
+        self._connection: connection.ConnectionMachine | None = None
+        self._io = AsyncStreamIO(plan.request, None)
+
+    @property
+    def saw_events(self) -> bool:
+        return self._tracker.saw_events
 
     async def __call__(self, event: str, info: dict[str, Any]) -> None:
-        run = self._run
-        assert run.tracker is not None  # begin_attempt() makes one for an attempt followed by trace events
-        run.tracker.observe(event)
-        if event == "connection.connect_tcp.started":
-            self._direct = (info.get("host"), info.get("port")) == (run.request.url.host, run.origin.port)
-        elif event == self._probe_event and self._direct and run.probing:
-            await self._prober(info["return_value"], run)
+        self._tracker.observe(event)
+        machine = self._machine
+        if event == "connection.connect_tcp.started" and machine.probing:
+            url = machine.plan.request.url
+            host, port = info.get("host"), info.get("port")
+            self._connection = connection.ConnectionMachine(machine)
+            opening = connection.Opening(
+                direct=(host, port) == (url.host, machine.plan.origin.port),
+                proxy=f"{host}:{port}",
+                tls_later=url.scheme == "https",
+                admits=False,
+            )
+            await advance_connection(self._connection, opening, self._io)  # Open
+        elif event == "connection.connect_tcp.complete" and self._connection is not None:
+            stream = self._io.stream = info["return_value"]
+            action = await advance_connection(
+                self._connection, connection.Opened(socket=stream.get_extra_info("socket")), self._io
+            )
+            if isinstance(action, connection.Ready):
+                self._connection = None
+        elif event == "connection.start_tls.complete" and self._connection is not None:
+            stream = self._io.stream = info["return_value"]
+            done = connection.TlsDone(h2=negotiated_http2(stream), socket=stream.get_extra_info("socket"))
+            pending, self._connection = self._connection, None
+            await advance_connection(pending, done, self._io)
         if self._user_trace is not None:
             await self._user_trace(event, info)
 

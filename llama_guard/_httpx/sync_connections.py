@@ -8,10 +8,10 @@ fails, whether it failed connecting (nothing sent) or on a connection (maybe sen
 request. Two hooks, put on one pool instance by `track_connections`:
 
 - the pool's ``create_connection`` marks each new connection, which httpcore connects lazily inside its first
-  request; for that one call, `CURRENT_ATTEMPT` names the guarded request, taken from the attempt body the
-  request carries (`AttemptBody`);
-- the pool's network backend, wrapped, sees the connect: it probes the new connection and reports the connect to
-  that request.
+  request; for that one call, `CURRENT_PLAN` names the guarded request, taken from the attempt body the request
+  carries (`AttemptBody`);
+- the pool's network backend, wrapped, sees the connect: it drives the new connection's machine
+  (`ConnectionMachine`, through the shared loop) with this stream's I/O (`SyncStreamIO`).
 
 A request on a pooled connection passes neither hook: it pays nothing here. The streams httpcore reads and writes
 are its own, unwrapped (an https connection only until its TLS handshake).
@@ -23,11 +23,14 @@ import functools
 from typing import Any
 
 import httpcore
+import httpx
 
-from .._core.attempt_context import CURRENT_ATTEMPT, GuardedRequest
-from .._core.origin_probes import Admission
-from .._core.turns import ThreadTurn
+from .._core import connection_machine as connection
+from .._core.attempt_context import CURRENT_PLAN
+from .._core.guard import RequestPlan
+from .._drive.sync_drive import advance_connection
 from .attempts import AttemptBody
+from .exceptions import ProbeError, ProbeTimeout
 from .internals import (
     network_backend,
     pool_speaks_http1,
@@ -36,7 +39,7 @@ from .internals import (
     set_network_backend,
 )
 
-__all__ = ["SyncGuardedBackend", "track_connections"]
+__all__ = ["SyncGuardedBackend", "SyncStreamIO", "negotiated_http2", "track_connections"]
 
 
 def track_connections(pool: Any) -> None:
@@ -68,40 +71,40 @@ class _SyncCreateConnection:
         # Someone may have replaced the pool's backend after the guard wrapped it: wrap the new one before the
         # connection is given it. Checked here, once per connection, rather than for every request.
         _wrap_backend(self._pool)
-        connection = self._create(origin)
+        new = self._create(origin)
         # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
-        set_instance_method(connection, "handle_request", _SyncFirstRequest(connection))
-        return connection
+        set_instance_method(new, "handle_request", _SyncFirstRequest(new))
+        return new
 
 
 class _SyncFirstRequest:
     """A new connection's ``handle_request`` for its first request, inside which httpcore connects.
 
-    It tells the backend wrapper which guarded request that is (`CURRENT_ATTEMPT`): the one whose attempt body
+    It tells the backend wrapper which guarded request that is (`CURRENT_PLAN`): the one whose attempt body
     (`AttemptBody`) the request carries, or none for a request the guard passed through. Then it is gone: later
     requests on the connection call httpcore's own method, and pay nothing.
     """
 
     __slots__ = ("_connection",)
 
-    def __init__(self, connection: Any) -> None:
-        self._connection = connection
+    def __init__(self, new: Any) -> None:
+        self._connection = new
 
     def __call__(self, request: httpcore.Request) -> httpcore.Response:
-        connection = self._connection
+        new = self._connection
         # Two threads may race here for a new HTTP/2 connection (only one connects): the second finds it gone.
-        remove_instance_method(connection, "handle_request")
+        remove_instance_method(new, "handle_request")
         body = request.stream
-        token = CURRENT_ATTEMPT.set(body.guarded_run() if isinstance(body, AttemptBody) else None)
+        token = CURRENT_PLAN.set(body.plan if isinstance(body, AttemptBody) else None)
         try:
-            response: httpcore.Response = type(connection).handle_request(connection, request)
+            response: httpcore.Response = type(new).handle_request(new, request)
         finally:
-            CURRENT_ATTEMPT.reset(token)
+            CURRENT_PLAN.reset(token)
         return response
 
 
 class SyncGuardedBackend(httpcore.NetworkBackend):
-    """Opens connections through the wrapped backend; probes those opened by a guarded attempt."""
+    """Opens connections through the wrapped backend; drives those opened by a guarded attempt."""
 
     def __init__(self, backend: httpcore.NetworkBackend, *, http1: bool = True) -> None:
         """``http1``: the pool speaks HTTP/1.1 (not HTTP/2 only), so the probe's HTTP/1.1 bytes fit its connections."""
@@ -124,17 +127,16 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
             local_address=local_address,
             socket_options=socket_options,
         )
-        run = CURRENT_ATTEMPT.get()
-        if run is None:
+        plan = CURRENT_PLAN.get()
+        if plan is None:
             return connect()
-        # Probe only a connection to the origin itself: through a proxy the connection is the proxy's.
-        direct = host == run.request.url.host and port == run.origin.port
-        if not direct and run.probing:
-            run.probing_off(
-                f"they go through a proxy at {host}:{port} (HTTP, CONNECT or SOCKS), whose connections are not "
-                "llama-server's"
-            )
-        return self._connect(run, connect, timeout, direct=direct)
+        url = plan.request.url
+        # Through a proxy (forwarding, CONNECT, SOCKS) the connection is the proxy's, not the origin's.
+        direct = host == url.host and port == plan.origin.port
+        opening = connection.Opening(
+            direct=direct, proxy=f"{host}:{port}", http1=self._http1, tls_later=url.scheme == "https"
+        )
+        return self._connect(plan, connect, timeout, opening)
 
     def connect_unix_socket(
         self, path: str, timeout: float | None = None, socket_options: Any = None
@@ -142,73 +144,59 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         connect = functools.partial(
             self._backend.connect_unix_socket, path, timeout=timeout, socket_options=socket_options
         )
-        run = CURRENT_ATTEMPT.get()
-        if run is None:
+        plan = CURRENT_PLAN.get()
+        if plan is None:
             return connect()
-        # httpx sends every request of a uds transport, proxies included, straight to the socket.
-        return self._connect(run, connect, timeout, direct=True)
+        # httpx sends every request of a uds transport, proxies included, straight to the socket: kicks go there too.
+        opening = connection.Opening(http1=self._http1, tls_later=plan.request.url.scheme == "https", kick_path=path)
+        return self._connect(plan, connect, timeout, opening)
 
     def _connect(
-        self, run: GuardedRequest, connect: Any, timeout: float | None, *, direct: bool
+        self, plan: RequestPlan, connect: Any, timeout: float | None, opening: connection.Opening
     ) -> httpcore.NetworkStream:
-        """A guarded attempt's new connection: opened by ``connect``, timed, and probed when ``direct`` (to the
-        origin itself) and the request probes, unless the pool speaks HTTP/2 only (h2c with prior knowledge)."""
-        run.connecting()
-        if direct and run.probing and not self._http1:
-            run.probing_off("the pool speaks HTTP/2 only (h2c with prior knowledge, http1=False), unlike llama-server")
-        probing = direct and run.probing and self._http1
-        https = run.request.url.scheme == "https"
-        # Opened and probed in turn when the origin asks for it (connect_admission); not an https connection, whose
-        # probe comes after httpcore's TLS handshake, outside this call.
-        admission = _admission(run, timeout) if probing and not https else None
+        """A guarded attempt's new connection: its machine admits it, ``connect`` opens it, the machine probes it
+        (after the TLS handshake for https, which httpcore does when this returns)."""
+        machine = connection.ConnectionMachine(plan.machine())
+        io = SyncStreamIO(plan.request, timeout)
+        advance_connection(machine, opening, io)  # Open, once its turn came
         try:
             stream: httpcore.NetworkStream = connect()
-            if https:
-                # The probe, and what the connection cost, wait for the TLS handshake.
-                return _SyncAfterTls(stream, run, probing=probing)
-            run.connection_ready()
-            if probing:
-                run.probe(stream)  # raises if the probe fails (the stream is then the probe's to close)
-        finally:
-            if admission is not None:
-                admission.leave()
-        run.connected()
+        except BaseException:
+            machine.next(connection.OpenFailed())
+            raise
+        io.stream = stream
+        if opening.tls_later:
+            advance_connection(machine, connection.Opened(), io)  # AwaitTls
+            return _SyncAfterTls(stream, machine, io)
+        advance_connection(machine, connection.Opened(socket=stream.get_extra_info("socket")), io)
         return stream
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
 
 
-def _admission(run: GuardedRequest, timeout: float | None) -> Admission[ThreadTurn] | None:
-    """This connection's place in its origin's queue, once its turn has come (`Admission`), or None when the origin
-    lets connections open freely now. The wait is part of the connect: the caller's connect ``timeout`` bounds it."""
-    # Woken by the connection ahead once it is probed (or gives its place up), in whatever thread or event loop that
-    # runs: the turn is made here, in the waiter's own, and woken thread-safely (_core/turns.py).
-    admission = Admission.of(run, ThreadTurn)
-    if admission is not None and admission.waits:
-        admitted = admission.turn.wait_until(admission.admitted, timeout, abandoned=admission.leave)
-        if not admission.waited(admitted):
-            raise httpcore.ConnectTimeout(admission.timeout_message(timeout))
-    return admission
-
-
 class _SyncAfterTls(httpcore.NetworkStream):
-    """A new https connection of a guarded attempt, to time and (``probing``) probe once httpcore has done its TLS
-    handshake; the TLS stream that `start_tls` returns is httpcore's own, not wrapped."""
+    """A new https connection of a guarded attempt, whose machine goes on once httpcore has done its TLS handshake;
+    the TLS stream that `start_tls` returns is httpcore's own, not wrapped."""
 
-    def __init__(self, stream: httpcore.NetworkStream, run: GuardedRequest, *, probing: bool) -> None:
+    def __init__(
+        self, stream: httpcore.NetworkStream, machine: connection.ConnectionMachine, io: SyncStreamIO
+    ) -> None:
         self._stream = stream
-        self._run = run
-        self._probing = probing
+        self._machine = machine
+        self._io = io
 
     def start_tls(
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
-        stream = self._stream.start_tls(ssl_context, server_hostname, timeout)
-        self._run.connection_ready()
-        if self._probing:
-            self._run.probe(stream)  # skips HTTP/2 connections (ALPN "h2")
-        self._run.connected()
+        try:
+            stream = self._stream.start_tls(ssl_context, server_hostname, timeout)
+        except BaseException:
+            self._machine.next(connection.OpenFailed())
+            raise
+        self._io.stream = stream
+        done = connection.TlsDone(h2=negotiated_http2(stream), socket=stream.get_extra_info("socket"))
+        advance_connection(self._machine, done, self._io)
         return stream
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
@@ -222,3 +210,51 @@ class _SyncAfterTls(httpcore.NetworkStream):
 
     def get_extra_info(self, info: str) -> Any:
         return self._stream.get_extra_info(info)
+
+
+def negotiated_http2(stream: Any) -> bool:
+    """The TLS handshake of ``stream`` chose HTTP/2 (ALPN ``h2``): not llama-server, which speaks HTTP/1.1 only."""
+    ssl_object = stream.get_extra_info("ssl_object")
+    return ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2"
+
+
+class SyncStreamIO:
+    """The probe's I/O on an httpcore network stream (`SyncConnectionIO`): ``stream`` is None until it is open."""
+
+    __slots__ = ("_request", "connect_timeout", "stream")
+
+    def __init__(self, request: httpx.Request, connect_timeout: float | None) -> None:
+        self._request = request
+        self.connect_timeout = connect_timeout
+        self.stream: httpcore.NetworkStream | None = None
+
+    def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+        assert self.stream is not None
+        try:
+            self.stream.write(data, timeout=timeout)
+        except httpcore.TimeoutException:
+            return connection.TimedOut()
+        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
+            return connection.Broken(exc)
+        return connection.Written()
+
+    def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+        assert self.stream is not None
+        try:
+            return connection.Received(self.stream.read(connection.READ_SIZE, timeout=timeout))
+        except httpcore.TimeoutException:
+            return connection.TimedOut()
+        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
+            return connection.Broken(exc)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+
+    def error(self, abort: connection.Abort) -> BaseException:
+        """The connect fails: with the guard's probe errors (httpx's classes: httpcore lets them through), or
+        httpcore's ConnectTimeout for a turn that did not come (httpx maps it to its own)."""
+        if abort.reason == "connect timeout":
+            return httpcore.ConnectTimeout(abort.message)
+        cls = ProbeTimeout if abort.reason == "probe timeout" else ProbeError
+        return cls(abort.message, request=self._request)

@@ -19,9 +19,11 @@ and of `GuardError`, which carries what the guard tried::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import httpx2 as httpx
 
-from .._core.decisions import FailureKind, Progress, ProgressTracker
+from .._core.decisions import FailureKind
 from .._core.errors import GuardedClasses, GuardError
 
 __all__ = ["FirstByteTimeout", "GuardError", "ProbeError", "ProbeTimeout", "failure_kind", "guarded_error"]
@@ -58,18 +60,16 @@ def guarded_error(
     return error
 
 
-def failure_kind(exc: BaseException, tracker: ProgressTracker, *, deadline_applied: bool) -> FailureKind | None:
+def failure_kind(exc: BaseException, *, deadline_applied: bool, waiting: Callable[[], bool]) -> FailureKind | None:
     """The guard's name for why an attempt failed; None for errors that are not the network's (cancellation,
-    the caller's own trace callback raising, ...), which pass through untouched."""
+    the caller's own trace callback raising, ...), which pass through untouched. ``waiting()``: the attempt was
+    waiting for its response headers (a read timeout then is the first-byte deadline's, when it applied)."""
     if isinstance(exc, (ProbeTimeout, ProbeError)):
         return FailureKind.PROBE
     if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
         return FailureKind.CONNECT
     if isinstance(exc, httpx.ReadTimeout):
-        waiting_for_headers = tracker.effective_progress() == Progress.WRITTEN
-        return (
-            FailureKind.FIRST_BYTE_TIMEOUT if deadline_applied and waiting_for_headers else FailureKind.CALLER_TIMEOUT
-        )
+        return FailureKind.FIRST_BYTE_TIMEOUT if deadline_applied and waiting() else FailureKind.CALLER_TIMEOUT
     if isinstance(exc, (httpx.PoolTimeout, httpx.WriteTimeout)):
         return FailureKind.CALLER_TIMEOUT
     if isinstance(exc, (httpx.LocalProtocolError, httpx.UnsupportedProtocol, httpx.ProxyError)):

@@ -28,10 +28,9 @@ import httpx2 as httpx
 
 from .._core.decisions import is_streaming_response
 from .._core.llama_server import CLIENT_KEEPALIVE
-from .._core.log import WARN_ONCE
+from .._core.log import WarnOnce
 
 __all__ = [
-    "KEEPALIVE_EXPIRY",
     "TESTED_VERSIONS",
     "cap_keepalive_expiry",
     "check_versions",
@@ -59,10 +58,6 @@ TESTED_VERSIONS: dict[str, frozenset[str]] = {
     "httpcore2": frozenset({"2.16.2"}),
     "httpx2": frozenset({"2.16.2"}),
 }
-
-# httpx's default expiry is llama-server's 5 s: a pool that reuses a connection just as the server closes it loses
-# the request.
-KEEPALIVE_EXPIRY = CLIENT_KEEPALIVE
 
 
 def untested_versions() -> str | None:
@@ -105,11 +100,11 @@ def _untested(module: types.ModuleType) -> str | None:
     return f"{name} {version} is not a version llama_guard was tested with ({', '.join(sorted(tested))})"
 
 
-def check_versions() -> str | None:
-    """`untested_versions()`, logged once per process for each untested version."""
+def check_versions(warnings: WarnOnce) -> str | None:
+    """`untested_versions()`, logged once per process (``warnings``: the process's) for each untested version."""
     reason = untested_versions()
     if reason is not None:
-        WARN_ONCE.warning(reason)
+        warnings.warning(reason)
     return reason
 
 
@@ -300,7 +295,7 @@ _POOL_CLASSES = ("ConnectionPool", "AsyncConnectionPool")
 _POOL_ATTRIBUTES = ("_requests", "_connections", "_max_connections", "_max_keepalive_connections")
 
 
-def cap_keepalive_expiry(transport: Any, seconds: float = KEEPALIVE_EXPIRY) -> bool:
+def cap_keepalive_expiry(transport: Any, seconds: float = CLIENT_KEEPALIVE) -> bool:
     """Lower an httpx transport's pool keep-alive expiry to ``seconds`` (if it is longer or unlimited); True if
     changed. Applies to httpcore and httpcore2 pools alike."""
     pool = getattr(transport, "_pool", None)

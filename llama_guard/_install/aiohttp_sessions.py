@@ -28,8 +28,9 @@ def session_request_method() -> tuple[type, str] | None:
     """The session class and the name of the method to wrap; None on an aiohttp version the guard was not tested
     with (one warning names it: sessions then stay unguarded by `install()`)."""
     from .._aiohttp.internals import SESSION_REQUEST_METHOD, check_version  # imports aiohttp: only once it is in use
+    from .._runtime import PROCESS
 
-    if check_version() is not None:
+    if check_version(PROCESS.warnings) is not None:
         return None
     module_name, qualified_name = SESSION_REQUEST_METHOD
     class_name, _, method = qualified_name.rpartition(".")

@@ -79,9 +79,9 @@ def patch_if_imported(current: Any) -> None:
         return
     urllib3 = sys.modules.get("urllib3")
     if urllib3 is not None and unsupported_urllib3(urllib3) is not None:
-        from .._core.log import WARN_ONCE
+        from .._runtime import PROCESS
 
-        WARN_ONCE.warning(
+        PROCESS.warnings.warning(
             f"llama_guard: install() leaves requests and urllib3 unguarded: {unsupported_urllib3(urllib3)}"
         )
         return
@@ -133,10 +133,12 @@ def _installed_guard() -> Any:
 def _urlopen_wrapper(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if instance is None:
         return wrapped(*args, **kwargs)
-    from .._requests.attempts import CURRENT_RUN
+    from .._core.attempt_context import CURRENT_PLAN
+    from .._requests.attempts import CallView
     from .._requests.pool_guard import pool_guard_of
 
-    if CURRENT_RUN.get() is not None:  # an attempt of a guard, or urllib3's own redirect inside one
+    current = CURRENT_PLAN.get()
+    if current is not None and isinstance(current.request, CallView):  # a guard's attempt, or a redirect in one
         return wrapped(*args, **kwargs)
     owner = pool_guard_of(instance)
     if owner is not None and owner.explicit:  # GuardAdapter's or guard(session)'s pool

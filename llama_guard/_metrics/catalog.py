@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .._core.log import STALL_LOG
 from .._core.origin_stats import EVERY_STATS, OriginTotals, StatsSet
 from .._core.origins import Origin
+from .._runtime import PROCESS
 
 __all__ = [
     "COUNTERS",
@@ -207,7 +207,8 @@ def strategy_series(every: dict[tuple[str, Origin], OriginTotals]) -> Iterator[S
 
 
 def stall_episode_series() -> Iterator[Series]:
-    for origin, count in sorted(STALL_LOG.episodes().items()):
+    """The stall episodes of the process's origins (its `ProcessState`, which every guard shares by default)."""
+    for origin, count in sorted(PROCESS.stalls.episodes().items()):
         yield {"origin": str(origin)}, count
 
 

@@ -1,30 +1,38 @@
-"""The urllib3 side of a guarded request: what `RequestState` reads of it, its errors, and its first-byte deadline.
+"""The urllib3 side of a guarded request: what the core reads of it, and the I/O of its attempts.
 
-Everything decided about a request (counting, verdicts, the retry schedule, probe deadlines, its result) is
-`RequestState` in ``_core/request_state.py``, shared with the httpx and aiohttp flavours; `Urllib3Run` adds what
-needs urllib3. One attempt is one call of urllib3's ``HTTPConnectionPool.urlopen`` (``pool_guard.py``).
+Every decision about the request is its plan's and machine's (``_core/guard.py``, ``_core/request_machine.py``), and
+the loop over its attempts is the shared one (``_drive/sync_drive.py``). One attempt is one call of the pool's own
+``HTTPConnectionPool.urlopen`` (``pool_guard.py``), with urllib3's own retries taken out; `Urllib3Attempts` makes
+that call, reads a 503's short body, marks a stream's connection to be dropped, and makes the caller's error.
 """
 
 from __future__ import annotations
 
-import contextvars
+import io
 import socket
-from typing import Any, Protocol
+from typing import Any
 
-from .._core.connection_strategy import REUSE_UNDECIDED, ConnectionChoice
-from .._core.decisions import FailureKind, ProgressTracker
-from .._core.origin_probes import ProbeBook
-from .._core.origins import Origin
-from .._core.policy import GuardPolicy
-from .._core.request_state import MAX_SOCKET_WAIT, RequestState
-from .._core.stats import GuardStats
+from urllib3.response import BaseHTTPResponse, HTTPResponse
+from urllib3.util.timeout import Timeout
+
+from .._core.attempt_context import CURRENT_PLAN
+from .._core.decisions import FailureKind
+from .._core.guard import RequestPlan
+from .._core.llama_server import RETRIED_STATUSES
+from .._core.request_machine import MAX_SOCKET_WAIT, Answered, ErrorBodyRead, Fail, Failed, Send
+from .._core.result import GuardResult
 from .exceptions import Urllib3FirstByteTimeout, error_text, failure_kind, guarded_urllib3_error
+from .internals import pool_timeout
 
-__all__ = ["CURRENT_RUN", "GuardedAttempt", "RequestView", "Url", "Urllib3Run", "caller_read_timeout"]
+__all__ = ["RESULT_ATTRIBUTE", "CallView", "Url", "Urllib3Attempts", "drop_stream", "is_streaming", "with_close"]
+
+# The attribute a guarded response carries its `GuardResult` in, and a connection its drop mark.
+RESULT_ATTRIBUTE = "_llama_guard_result"
+DROP_ATTRIBUTE = "_llama_guard_drop"
 
 
 class Url:
-    """A request's URL with the parts `RequestState` reads (as httpx's ``URL`` has them)."""
+    """A request's URL with the parts the core reads (as httpx's ``URL`` has them)."""
 
     __slots__ = ("host", "path", "port", "scheme")
 
@@ -40,26 +48,55 @@ class Url:
         return (host if self.port is None else f"{host}:{self.port}").encode("ascii", "replace")
 
 
-class RequestView:
-    """What `RequestState` reads of a request: ``method``, ``url``, ``headers`` and ``extensions``."""
+class CallView:
+    """What the core reads of one guarded ``urlopen`` call (``method``, ``url``, ``headers``, ``extensions``, worked
+    out when asked), and the call every attempt makes: the caller's, with urllib3's own retries taken out (see
+    ``pool_guard.py``), the body left unread (the guard judges the headers first) and, when the plan says so,
+    ``Connection: close`` on a copy of the headers."""
 
-    __slots__ = ("extensions", "headers", "method", "url")
+    __slots__ = ("_extensions", "call", "method", "pool")
 
-    def __init__(self, method: str, url: Url, headers: Any, read_timeout: float | None) -> None:
+    def __init__(self, pool: Any, call: dict[str, Any], method: str) -> None:
+        self.pool = pool
+        self.call = call
         self.method = method
-        self.url = url
-        self.headers = headers
-        # The caller's read timeout, as httpx's timeout extension holds it: the first-byte deadline is armed only
-        # when it is shorter.
-        self.extensions: dict[str, Any] = {"timeout": {"read": read_timeout}}
+        self._extensions: dict[str, Any] | None = None
+
+    @property
+    def url(self) -> Url:
+        pool = self.pool
+        return Url(pool.scheme, pool.host, pool.port, str(self.call["url"]).partition("?")[0])
+
+    @property
+    def headers(self) -> Any:
+        headers = self.call.get("headers")
+        return headers if headers is not None else self.pool.headers
+
+    @property
+    def host_header(self) -> str:
+        headers = self.headers
+        if headers:
+            for name, value in headers.items():
+                if name.lower() == "host":
+                    return str(value)
+        return self.url.netloc.decode("ascii")
+
+    @property
+    def extensions(self) -> dict[str, Any]:
+        """The caller's read timeout, as httpx's ``timeout`` extension holds it (the first-byte deadline is armed
+        only when it is shorter)."""
+        if self._extensions is None:
+            timeout = pool_timeout(self.pool, self.call.get("timeout", Timeout.DEFAULT_TIMEOUT))
+            self._extensions = {"timeout": {"read": _read_seconds(timeout)}}
+        return self._extensions
+
+    def timeout(self) -> Timeout:
+        """The call's timeout, as the pool works it out."""
+        return pool_timeout(self.pool, self.call.get("timeout", Timeout.DEFAULT_TIMEOUT))
 
 
-def _no_prober(stream: Any, run: Any, /) -> Any:  # the connection hook probes (connections.py), not the state
-    raise AssertionError("the urllib3 flavour probes in its connection hook")
-
-
-def caller_read_timeout(timeout: Any) -> float | None:
-    """The read timeout of a urllib3 ``Timeout`` (already the pool's ``_get_timeout``), in seconds or None."""
+def _read_seconds(timeout: Timeout) -> float | None:
+    """The read timeout of a urllib3 ``Timeout`` in seconds, or None."""
     read = timeout.read_timeout
     if isinstance(read, (int, float)):
         return float(read)
@@ -68,105 +105,157 @@ def caller_read_timeout(timeout: Any) -> float | None:
     return socket.getdefaulttimeout()  # urllib3's _DEFAULT_TIMEOUT: the socket module's default
 
 
-class Urllib3Run(RequestState):
-    """A guarded urllib3 request across its attempts: `RequestState`, and the guard that owns it (whose
-    connection hooks probe, keep given-up connections watched, and remember origins that cannot be probed)."""
+def with_close(headers: Any) -> dict[str, Any]:
+    """A copy of ``headers`` with ``Connection: close`` (replacing any Connection header)."""
+    closing = {name: value for name, value in headers.items() if name.lower() != "connection"}
+    closing["Connection"] = "close"
+    return closing
 
-    __slots__ = ("guard",)
 
-    def __init__(
-        self,
-        request: RequestView,
-        origin: Origin | None,
-        policy: GuardPolicy,
-        stats: GuardStats,
-        guard: Any,
-        *,
-        body: bytes | None,
-        stream: bool,
-        started: float,
-        book: ProbeBook,
-        connection: ConnectionChoice = REUSE_UNDECIDED,
-    ) -> None:
-        super().__init__(
-            request,
-            origin,
-            policy,
-            stats,
-            _no_prober,
-            body=body,
-            stream=stream,
-            started=started,
-            book=book,
-            connection=connection,
-        )
-        self.guard = guard
+class Urllib3Attempts:
+    """The urllib3 I/O of one guarded request's attempts, for the shared drive loop (`SyncAttemptIO`)."""
 
-    def guarded_run(self) -> Urllib3Run:
-        """This run (as a first attempt sent as is builds it, for the connection hook)."""
-        return self
+    __slots__ = ("_error", "_original", "_plan", "_preload", "_response")
+
+    def __init__(self, plan: RequestPlan, original: Any, preload: tuple[bool, bool]) -> None:
+        """``original``: the pool's own ``urlopen``, bound; ``preload``: the caller's ``preload_content`` and
+        ``decode_content``."""
+        self._plan = plan
+        self._original = original
+        self._preload = preload
+        self._response: BaseHTTPResponse | None = None
+        self._error: BaseException | None = None
 
     @property
-    def host_header(self) -> str:
-        headers = self.request.headers
-        if headers:
-            for name, value in headers.items():
-                if name.lower() == "host":
-                    return str(value)
-        netloc: bytes = self.request.url.netloc
-        return netloc.decode("ascii")
+    def _view(self) -> CallView:
+        view: CallView = self._plan.request
+        return view
 
-    def begin_attempt(self) -> float | None:
-        """Count a new attempt; the read timeout it goes out with when the first-byte deadline is armed, else
-        None (the caller's own)."""
-        self.attempt_extensions(None)
-        if not self.deadline_applied:
-            return None
-        read = self.attempt_timeouts["read"]
-        return MAX_SOCKET_WAIT if read is None else min(read, MAX_SOCKET_WAIT)
+    def send(self, send: Send) -> Answered | Failed:
+        view = self._view
+        call = view.call  # Connection: close on its copy of the headers already, when the plan says it
+        deadline = send.first_byte_deadline
+        if deadline is not None:  # the first-byte deadline rides on the read timeout, for the headers
+            call = dict(call)
+            call["timeout"] = Timeout(connect=view.timeout().connect_timeout, read=min(deadline, MAX_SOCKET_WAIT))
+        token = CURRENT_PLAN.set(self._plan)
+        try:
+            response: BaseHTTPResponse = self._original(**call)
+        except Exception as exc:
+            return self.failed(exc)
+        finally:
+            CURRENT_PLAN.reset(token)
+        if deadline is not None and response.status not in RETRIED_STATUSES:
+            _restore_read_timeout(response, self._plan.caller_read_timeout())
+        return self.answered(response)
 
-    def caller_read(self) -> float | None:
-        """The caller's read timeout, for the body once the headers arrived under the first-byte deadline."""
-        read: float | None = self.user_timeouts.get("read")
-        return read
-
-    def attempt_failed(self, exc: BaseException) -> BaseException | None:
-        """Judge a failed attempt; the exception to keep for it (a first-byte expiry becomes
-        `Urllib3FirstByteTimeout`), or None for an error that is not the network's (raised as it is). Sets
-        ``self.verdict`` for the retry schedule."""
-        if self.tracker is None:  # the hook saw no new connection: the attempt ran on a pooled one
-            self.tracker = ProgressTracker(hooked=True)
-        kind = failure_kind(exc, deadline_applied=self.deadline_applied)
-        if kind is None:
-            return None
+    def failed(self, exc: Exception) -> Failed:
+        plan = self._plan
+        kind = failure_kind(exc, deadline_applied=plan.machine().deadline_applied)
         if kind is FailureKind.FIRST_BYTE_TIMEOUT:
             pool: Any = getattr(exc, "pool", None)
-            exc = Urllib3FirstByteTimeout(
+            timeout = Urllib3FirstByteTimeout(
                 pool,
                 getattr(exc, "url", None),
-                f"no response headers from {self.description} within first_byte_timeout="
-                f"{self.policy.first_byte_timeout:g} s; the connection was discarded",
+                f"no response headers from {plan.description} within first_byte_timeout="
+                f"{plan.policy.first_byte_timeout:g} s; the connection was discarded",
             )
-        self.judge_failure(kind, type(exc).__name__, error_text(exc))
-        return exc
+            timeout.__cause__ = exc
+            exc = timeout
+        self._error = exc
+        return Failed(kind, type(exc).__name__, error_text(exc))
 
-    def final_error(self, exc: BaseException) -> BaseException:
-        """The error for the caller once the guard stops: the same urllib3 class, with the guard's account."""
-        message, elapsed = self.final_message(error_text(exc) or type(exc).__name__)
-        return guarded_urllib3_error(
-            exc, message=message, attempts=self.attempts, elapsed=elapsed, history=self.history
+    def answered(self, response: BaseHTTPResponse) -> Answered:
+        self._response = response
+        return Answered(response.status, response.headers, is_streaming(response))
+
+    def read_error_body(self) -> ErrorBodyRead | Failed:
+        """A retriable 503/429 (a short JSON error: the machine checked its length): read whole so that its
+        connection goes back to the pool, and replaced by a response that holds the same bytes, for the caller if
+        this was the last attempt."""
+        response = self._response
+        assert response is not None
+        try:
+            data = response.read(decode_content=False)  # its Content-Length is at most MAX_RETRIED_ERROR_BODY
+        except Exception as exc:
+            self._error = exc
+            return Failed(None)
+        finally:
+            response.release_conn()
+        self._response = HTTPResponse(
+            body=io.BytesIO(data),
+            headers=response.headers,
+            status=response.status,
+            version=response.version,
+            reason=response.reason,
+            preload_content=False,
+            decode_content=False,
+            request_method=getattr(response, "_request_method", None),
+            request_url=response.url,
+            retries=response.retries,
         )
+        return ErrorBodyRead()
+
+    def drop_stream(self) -> bool:
+        assert self._response is not None
+        return drop_stream(self._response, self._plan.stats)
+
+    def respond(self, result: GuardResult) -> BaseHTTPResponse:
+        response = self._response
+        assert response is not None
+        return respond(response, result, self._preload)
+
+    def error(self, fail: Fail | None) -> BaseException:
+        error = self._error
+        assert error is not None
+        if fail is None:
+            return error
+        message = f"{error_text(error) or type(error).__name__} {fail.message}"
+        guarded = guarded_urllib3_error(
+            error, message=message, attempts=fail.attempts, elapsed=fail.elapsed, history=fail.history
+        )
+        guarded.__cause__ = error
+        return guarded
 
 
-# The guarded request whose attempt runs in this thread (or task), for the connection hook (connections.py): set by
-# the guard around each call of urllib3's urlopen, inside which a new connection connects. Also tells the guard
-# that a urlopen called inside an attempt (urllib3's own redirect) is part of it.
-class GuardedAttempt(Protocol):
-    """A `Urllib3Run`, or the guard's first attempt that builds one when asked (``pool_guard._FirstAttempt``)."""
+def respond(response: BaseHTTPResponse, result: GuardResult, preload: tuple[bool, bool]) -> BaseHTTPResponse:
+    """The caller's response, carrying ``result``. urllib3 reads a preloaded body in urlopen (``preload_content``,
+    its default; requests asks for none); each attempt left it unread (the guard judges the headers first), so it is
+    read here, and the connection goes back to the pool at its end."""
+    setattr(response, RESULT_ATTRIBUTE, result)
+    preload_content, decode_content = preload
+    if preload_content:
+        response.read(decode_content=decode_content, cache_content=True)
+    return response
 
-    def guarded_run(self) -> Urllib3Run: ...
+
+def is_streaming(response: BaseHTTPResponse) -> bool:
+    """`is_streaming_response` for a urllib3 response: its ``chunked`` flag says Transfer-Encoding: chunked without a
+    header lookup (case-insensitive lookups cost as much as the rest of the guard's work on an answer)."""
+    if getattr(response, "chunked", False):
+        return True
+    content_type: str = response.headers.get("content-type", "")
+    return content_type[:17].lower() == "text/event-stream"
 
 
-CURRENT_RUN: contextvars.ContextVar[GuardedAttempt | None] = contextvars.ContextVar(
-    "llama_guard_urllib3_run", default=None
-)
+def drop_stream(response: BaseHTTPResponse, stats: Any) -> bool:
+    """llama-server closes a stream's connection right after the final chunk, whatever its headers said: mark the
+    connection so that the pool closes it when the response gives it back (``pool_guard._put_conn``), instead of
+    pooling it."""
+    connection = getattr(response, "connection", None)
+    if connection is None or getattr(connection, "sock", None) is None:
+        return connection is not None  # http.client closed it already (the response said Connection: close)
+    setattr(connection, DROP_ATTRIBUTE, stats)
+    return True
+
+
+def _restore_read_timeout(response: BaseHTTPResponse, read: float | None) -> None:
+    """The headers came under the first-byte deadline: the body is read under the caller's own read timeout, on
+    the socket the body comes from (http.client's response holds it even when its connection let go of it:
+    ``Connection: close``)."""
+    body = getattr(getattr(getattr(response, "_fp", None), "fp", None), "raw", None)
+    sock = getattr(body, "_sock", None)
+    if sock is None:
+        sock = getattr(getattr(response, "connection", None), "sock", None)
+    if sock is not None:
+        sock.settimeout(read)

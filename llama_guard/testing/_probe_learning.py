@@ -3,7 +3,7 @@ another server."""
 
 from __future__ import annotations
 
-from .._core.origin_probes import PROBE_BOOK
+from .._runtime import PROCESS
 
 __all__ = ["reset_probe_learning"]
 
@@ -17,4 +17,4 @@ def reset_probe_learning() -> None:
     whichever client asks. A test suite whose emulators reuse ports, or a process that restarts a server on the same
     port with other settings, calls this between them. Connections waiting for their turn at that moment keep
     waiting in the old book's queue and are served from it."""
-    PROBE_BOOK.forget()
+    PROCESS.probes.forget()

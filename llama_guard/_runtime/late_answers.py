@@ -1,4 +1,5 @@
-"""Connections whose probe was given up, kept open a while to see whether the answer still comes.
+"""Connections whose probe was given up, kept open a while to see whether the answer still comes: the sockets and
+the thread of the late-answer watch (the decisions are `_core.origin_probes`'s).
 
 A late answer is a false alarm (the server was reading the connection, only slowly) and must raise the learnt probe
 deadline (`origin_probes`). To see it, the guard keeps the connection: it sends FIN on it (a server that reads it
@@ -20,9 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .log import logger
+from .._core.log import logger
 
-__all__ = ["EXPIRY", "GivenUpWatches", "WatchedConnection", "Expiry"]
+__all__ = ["Expiry", "WatchedConnection"]
 
 
 class WatchedConnection:
@@ -77,32 +78,6 @@ class WatchedConnection:
             sock.close()
 
 
-class GivenUpWatches:
-    """The watches one transport (or connector) started: ended when it closes, so that its connections go with it.
-    Anything with ``settled`` and ``end()`` (`origin_probes.GivenUpProbe`)."""
-
-    __slots__ = ("_lock", "_watches")
-
-    def __init__(self) -> None:
-        self._watches: list[Any] = []
-        self._lock = threading.Lock()
-
-    def add(self, watch: Any) -> None:
-        with self._lock:
-            self._watches = [kept for kept in self._watches if not kept.settled]
-            self._watches.append(watch)
-
-    def end_all(self) -> None:
-        with self._lock:
-            watches, self._watches = self._watches, []
-        for watch in watches:
-            watch.end()
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(not watch.settled for watch in self._watches)
-
-
 class Expiry:
     """Calls made at a given time by one daemon thread, started when needed and gone when nothing is due: the last
     look at each origin's given-up connections when their watch ends."""
@@ -144,6 +119,3 @@ class Expiry:
                 call()
             except Exception:  # a bug must not end the thread: the next watches would then never close
                 logger.debug("the late-answer watch failed", exc_info=True)
-
-
-EXPIRY = Expiry()

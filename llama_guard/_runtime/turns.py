@@ -1,11 +1,13 @@
 """A waiter's turn: how a connection waiting for admission (`OriginProbes`) is woken when its turn may have come.
 
 The queue of an origin is shared by every transport of the process, so the connection that frees the turn may run
-in another thread or event loop than the waiter. Each waiter therefore makes its own `Turn` in its own context
-(a thread's `threading.Event`, an asyncio loop's or a trio run's event) and the releaser calls ``wake()``, which
+in another thread or event loop than the waiter. Each waiter therefore makes its own turn (`origin_probes.Turn`) in
+its own context (a thread's `threading.Event`, an asyncio loop's or a trio run's event) and the releaser calls
+``wake()``, which
 is thread-safe: it sets the event directly, or through the waiter's loop (``call_soon_threadsafe``, trio's
-``run_sync_soon``). A wake-up is a hint that the turn may have come: the waiter checks, clears and waits again.
-No HTTP library here; trio only if the waiter runs in trio.
+``run_sync_soon``). A wake-up is a hint that the turn may have come: the waiter checks, clears and waits again
+(the wait itself is the drive loop's, ``_drive/async_drive.py``). No HTTP library here; trio only if the waiter runs
+in trio.
 """
 
 from __future__ import annotations
@@ -14,16 +16,10 @@ import asyncio
 import contextlib
 import sys
 import threading
-import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-__all__ = ["AsyncTurn", "ThreadTurn", "Turn"]
-
-
-class Turn(Protocol):
-    def wake(self) -> None:
-        """Tell the waiter its turn may have come; callable from any thread, at any time (also after the wait)."""
+__all__ = ["AsyncTurn", "ThreadTurn"]
 
 
 class ThreadTurn:
@@ -43,26 +39,6 @@ class ThreadTurn:
     def wait(self, timeout: float | None) -> bool:
         """True when woken, False when ``timeout`` seconds passed first."""
         return self._event.wait(timeout)
-
-    def wait_until(
-        self, admitted: Callable[[], bool], timeout: float | None, *, abandoned: Callable[[], None] | None = None
-    ) -> bool:
-        """Wait until ``admitted()`` (asked again after each wake-up); False if ``timeout`` seconds passed first.
-        ``abandoned``: called if the wait ends in an exception (cancelled), before it propagates."""
-        end = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                self.clear()  # before the check: a wake-up after it finds the event set
-                if admitted():
-                    return True
-                remaining = None if end is None else end - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self.wait(remaining)
-        except BaseException:
-            if abandoned is not None:
-                abandoned()
-            raise
 
 
 class AsyncTurn:
@@ -112,26 +88,6 @@ class AsyncTurn:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._event.wait(), timeout)
         return bool(self._event.is_set())
-
-    async def wait_until(
-        self, admitted: Callable[[], bool], timeout: float | None, *, abandoned: Callable[[], None] | None = None
-    ) -> bool:
-        """Wait until ``admitted()`` (asked again after each wake-up); False if ``timeout`` seconds passed first.
-        ``abandoned``: called if the wait ends in an exception (cancelled), before it propagates."""
-        end = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                self.clear()  # before the check: a wake-up after it finds the event set
-                if admitted():
-                    return True
-                remaining = None if end is None else end - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                await self.wait(remaining)
-        except BaseException:
-            if abandoned is not None:
-                abandoned()
-            raise
 
 
 def _in_trio() -> bool:

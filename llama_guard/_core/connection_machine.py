@@ -1,0 +1,675 @@
+"""A new connection of a guarded attempt, as a state machine: admitted, opened, probed, then handed to the request.
+
+Sans-I/O: `ConnectionMachine.next(event)` returns the next `ConnectionAction`; the drive loop
+(``_drive/async_drive.py``) performs it with the stack's I/O (`ConnectionIO`) and reports back. Three steps, each
+only where it makes sense for the connection:
+
+- **Admission** (``connect_admission``): while the origin recovers from a stall, its new connections are opened and
+  probed one at a time (`Admit`; the queue is the origin's `OriginProbes`).
+- **Open**: the stack connects (TCP, and TLS when it does TLS within its connect); the time it took teaches the
+  origin's ``"auto"`` connection strategy. A stack whose TLS handshake comes after its connect returns (httpcore)
+  is told `AwaitTls` and reports `TlsDone` later.
+- **Probe** (``GET /health`` on the keep-alive strategy): written (`Write`), its answer read in slices (`Read`) while
+  the deadline in force may change, kicks opened when due (`Kick`), given up at the deadline (`GiveUp`: the drive
+  loop duplicates the socket for the late-answer watch and reports `Watched`). `Ready`: the request may be written;
+  `Abort`: close the connection and fail its connect (nothing of the request was sent).
+
+Where a mechanism cannot work for this connection (a proxy in between, HTTP/2), the machine says so once per origin
+and reason and in ``stats.probing_off``, and skips it: never silent.
+
+    NEW ──Opening──> ADMITTING ──Admitted──> OPENING ──Opened──> WRITING ──Written──> READING ⇄ KICKING
+     │                  ╰──NotAdmitted──> DONE (Abort)     │  ╰──> AWAITING_TLS ──TlsDone──> WRITING or DONE
+     ╰──Opening──> OPENING (no admission)                 ╰──Opened──> DONE (Ready: not probed)
+                                                  READING ──Received──> DONE (Ready, or Abort)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
+
+from .log import logger
+from .origin_probes import PROBE_SLICE, Admission, GivenUpProbe, GivenUpWatches
+from .probe import ProbeAnswer, ProbeExchange, ProbeProtocolError, probe_deadline
+from .request_machine import MAX_SOCKET_WAIT
+
+if TYPE_CHECKING:
+    from .request_machine import RequestMachine
+
+__all__ = [
+    "KICK_CONNECT_TIMEOUT",
+    "READ_SIZE",
+    "Abort",
+    "Admit",
+    "Admitted",
+    "AwaitTls",
+    "Broken",
+    "Cancelled",
+    "ConnectionAction",
+    "ConnectionEvent",
+    "ConnectionMachine",
+    "ConnectionState",
+    "GiveUp",
+    "Kick",
+    "Kicked",
+    "NotAdmitted",
+    "Open",
+    "OpenFailed",
+    "Opened",
+    "Opening",
+    "Read",
+    "Ready",
+    "Received",
+    "TimedOut",
+    "TlsDone",
+    "UnexpectedEvent",
+    "Watched",
+    "Write",
+    "Written",
+]
+
+# How much a driver reads at a time: more than any answer to GET /health (a few hundred bytes).
+READ_SIZE: Final = 65536
+# A kick connection that does not connect within this is counted as failed.
+KICK_CONNECT_TIMEOUT: Final = 1.0
+# Where a probe's first kick goes when nothing was learnt below its deadline: a quarter of it (0.125 s of the default
+# 0.5 s), then half; a healthy but slow first answer costs at most two short connections.
+UNLEARNT_KICK_FRACTION: Final = 0.25
+
+
+class ConnectionState(enum.Enum):
+    NEW = "new"  # about to be opened
+    ADMITTING = "admitting"  # waiting for its turn in the origin's queue
+    OPENING = "opening"  # the stack connects
+    AWAITING_TLS = "awaiting TLS"  # connected; the stack's TLS handshake comes later
+    WRITING = "writing"  # GET /health being written
+    READING = "reading"  # waiting for its answer
+    KICKING = "kicking"  # a kick connection being opened (the probe still waits for its answer)
+    GIVING_UP = "giving up"  # the probe's deadline passed: the socket is being kept for the late-answer watch
+    DONE = "done"  # ready, or aborted: no event is expected any more
+
+
+# -- events: what the driver reports ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """A new connection is about to be opened for the request's current attempt.
+
+    ``direct``: to the origin itself, not to a proxy (``proxy`` names it, for the warning); ``http1``: the pool
+    speaks HTTP/1.1 (not HTTP/2 only: h2c with prior knowledge); ``tls_later``: the stack's TLS handshake comes
+    after its connect returns (no admission then: its turn could not be given back if the handshake never came);
+    ``admits``: the driver can wait for a turn here (not inside a trace callback); ``kick_path``: a Unix socket
+    to kick through instead of the origin's TCP address; ``kick_host``: the host kicks go to (default: the
+    request's)."""
+
+    direct: bool = True
+    proxy: str | None = None
+    http1: bool = True
+    tls_later: bool = False
+    admits: bool = True
+    kick_path: str | None = None
+    kick_host: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Its turn came (or came at once)."""
+
+    admission: Admission[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class NotAdmitted:
+    """Its turn did not come within the connect timeout (``bound`` seconds); the place was given up."""
+
+    admission: Admission[Any]
+    bound: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """The stack connected (and did TLS, unless `Opening.tls_later`). ``h2``: the connection negotiated HTTP/2
+    (ALPN, or the stack's HTTP/2 connection class); ``socket``: its socket, or a backend's wrapper of one, for the
+    late-answer watch (None: it has none)."""
+
+    h2: bool = False
+    socket: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class TlsDone:
+    """The TLS handshake the stack did after its connect is done (`Opened`'s fields, of the TLS connection)."""
+
+    h2: bool = False
+    socket: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class OpenFailed:
+    """The stack's connect (or TLS handshake) raised: the error goes to the request as it is."""
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The probe's request was written whole."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """Bytes read from the connection (``b""``: the server closed it)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """The write, or the read slice, passed its timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class Kicked:
+    """The kick connection was opened and closed, or (``failure``) could not be opened."""
+
+    failure: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """Writing or reading failed (a network error, or the stack's protocol error)."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class Watched:
+    """The given-up connection is kept for its late-answer watch: ``peek`` looks for an answer without reading,
+    ``close`` closes it; ``unseen`` says why no answer can be seen, when one could have come."""
+
+    peek: Callable[[], bool | None]
+    close: Callable[[], None]
+    unseen: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancelled:
+    """The attempt was cancelled (or interrupted) while an action ran."""
+
+
+ConnectionEvent: TypeAlias = (
+    Opening
+    | Admitted
+    | NotAdmitted
+    | Opened
+    | TlsDone
+    | OpenFailed
+    | Written
+    | Received
+    | TimedOut
+    | Kicked
+    | Broken
+    | Watched
+    | Cancelled
+)
+
+
+# -- actions: what the driver does next ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Take a place in the origin's queue and wait for the turn, within the connect timeout (`Admission`)."""
+
+    probes: Any  # the origin's OriginProbes
+    stats: Any  # where the wait is counted
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Connect (the stack's own connect)."""
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitTls:
+    """Hand the connection to the stack for its TLS handshake; report `TlsDone` after it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    data: bytes
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Read:
+    """Read up to `READ_SIZE` bytes within ``timeout`` seconds."""
+
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class Kick:
+    """Open a bare connection to ``host:port`` (or the Unix socket ``path``) within ``timeout`` and close it at once,
+    writing nothing: accepting it makes llama-server's pool (before b11737) spawn a thread, which serves the oldest
+    unread connection first."""
+
+    host: str
+    port: int
+    path: str | None = None
+    timeout: float = KICK_CONNECT_TIMEOUT
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """Keep the connection's socket for the late-answer watch (duplicated, half closed) and report `Watched`."""
+
+    socket: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """The request may be written to the connection."""
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Close the connection (if open) and fail its connect: the stack's ProbeTimeout (``reason="probe timeout"``),
+    ProbeError (``"probe error"``) or ConnectTimeout (``"connect timeout"``: no turn in time), with ``message``;
+    or (``"raised"``: the open failed, or the attempt was cancelled) let the stack's own error go on."""
+
+    reason: str
+    message: str
+
+
+ConnectionAction: TypeAlias = Admit | Open | AwaitTls | Write | Read | Kick | GiveUp | Ready | Abort
+
+
+class UnexpectedEvent(RuntimeError):
+    """A driver reported an event the connection cannot meet in its state."""
+
+
+class ConnectionMachine:
+    """One new connection of ``request``'s current attempt."""
+
+    __slots__ = (
+        "_admission",
+        "_clock",
+        "_connect_seconds",
+        "_deadline",
+        "_exchange",
+        "_kick_host",
+        "_kick_path",
+        "_kicks",
+        "_number",
+        "_probing",
+        "_socket",
+        "_started",
+        "_tls_later",
+        "_watches",
+        "opening_started",
+        "request",
+        "state",
+    )
+
+    def __init__(
+        self,
+        request: RequestMachine,
+        *,
+        watches: GivenUpWatches | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``watches``: where a given-up connection's watch is kept, to be ended when its owner closes (default: the
+        request's guard's)."""
+        self.request = request
+        self._watches = watches
+        self._clock = clock
+        self.state = ConnectionState.NEW
+        self._admission: Admission[Any] | None = None
+        self._probing = False
+        self._tls_later = False
+        self._kick_host: str | None = None
+        self._kick_path: str | None = None
+        self._socket: Any = None
+        self._exchange: ProbeExchange | None = None
+        self._number = 0
+        self._kicks = 0
+        self._started = 0.0
+        self._deadline = 0.0
+        self._connect_seconds: float | None = None  # what opening it cost, to teach with its probe's round trip
+        self.opening_started = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.state is ConnectionState.DONE
+
+    @property
+    def kicks(self) -> int:
+        """Kick connections opened for this connection's probe."""
+        return self._kicks
+
+    def next(self, event: ConnectionEvent) -> ConnectionAction:
+        handler = _TRANSITIONS.get((self.state, type(event)))
+        if handler is None:
+            raise UnexpectedEvent(f"a connection in state {self.state.value} cannot take {type(event).__name__}")
+        return handler(self, event)
+
+    # -- admission and open -----------------------------------------------------------------------------------------
+
+    def _on_opening(self, event: Opening) -> ConnectionAction:
+        request = self.request
+        plan = request.plan
+        request.connecting()
+        self.opening_started = self._clock()
+        self._tls_later = event.tls_later
+        self._kick_host, self._kick_path = event.kick_host, event.kick_path
+        probing = request.probing
+        if probing and not event.direct:
+            self._probing_off(
+                f"they go through a proxy at {event.proxy} (HTTP, CONNECT or SOCKS), whose connections are not "
+                "llama-server's"
+            )
+            probing = False
+        if probing and not event.http1:
+            self._probing_off(
+                "the pool speaks HTTP/2 only (h2c with prior knowledge, http1=False), unlike llama-server"
+            )
+            probing = False
+        self._probing = probing and plan.origin not in plan.guard.unprobeable
+        probes = plan.origin_probes
+        if self._probing and event.admits and not event.tls_later and probes.admission_needed(plan.policy):
+            self.state = ConnectionState.ADMITTING
+            return Admit(probes, plan.stats)
+        self.state = ConnectionState.OPENING
+        return Open()
+
+    def _on_admitted(self, event: Admitted) -> ConnectionAction:
+        self._admission = event.admission
+        self.state = ConnectionState.OPENING
+        return Open()
+
+    def _on_not_admitted(self, event: NotAdmitted) -> ConnectionAction:
+        self.state = ConnectionState.DONE
+        return Abort("connect timeout", event.admission.timeout_message(event.bound))
+
+    def _on_open_failed(self, event: OpenFailed) -> ConnectionAction:
+        self._end()
+        return Abort("raised", "")
+
+    def _on_opened(self, event: Opened | TlsDone) -> ConnectionAction:
+        if self._tls_later and isinstance(event, Opened):
+            self.state = ConnectionState.AWAITING_TLS
+            return AwaitTls()
+        request = self.request
+        connect_seconds = None if request.plan.connection.final else self._clock() - self.opening_started
+        if self._probing and event.h2:
+            # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
+            self._probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
+            self._probing = False
+        if not self._probing:
+            if connect_seconds is not None:  # not probed: its connect alone
+                request.plan.teach(connect_cost=connect_seconds)
+            return self._ready()
+        self._socket = event.socket
+        self._connect_seconds = connect_seconds
+        return self._start_probe()
+
+    # -- the probe ----------------------------------------------------------------------------------------------------
+
+    def _start_probe(self) -> ConnectionAction:
+        request = self.request
+        plan = request.plan
+        probes = plan.origin_probes
+        self._number = probes.probe_started()
+        self._kicks = 0
+        self._exchange = ProbeExchange(plan.host_header)
+        self._deadline = self._probe_deadline()
+        self._started = self._clock()
+        self.state = ConnectionState.WRITING
+        return Write(self._exchange.request_bytes(), self._deadline)
+
+    def _probe_deadline(self) -> float:
+        """This probe's deadline: the origin's learnt one for a request's first probe, the configured ladder
+        (`probe_deadline`) after one was given up, or with kicks on (the learnt deadline is then when the first kick
+        goes: `_next_kick`); never longer than the caller's own read timeout."""
+        request = self.request
+        plan = request.plan
+        policy = plan.policy
+        if request.failed_probes or policy.probe_kick:
+            # The learnt deadline is for a first probe only: a request whose probe was given up waits the configured
+            # ladder from then on, so a server that turned slow since the guard learnt (load arriving) costs that
+            # request a reconnect, never its attempts (the late answer raises the learnt deadline for the next ones).
+            deadline = probe_deadline(request.failed_probes, first=policy.probe_timeout, cap=policy.probe_timeout_max)
+        else:
+            deadline = plan.origin_probes.deadline(policy)
+        caller_read = plan.caller_read_timeout()
+        if caller_read is not None and caller_read < deadline:
+            deadline = caller_read
+        deadline = min(deadline, MAX_SOCKET_WAIT)
+        request.probe_deadline_used = deadline
+        return deadline
+
+    def _next_kick(self) -> float | None:
+        """Seconds into the probe at which it opens its next kick (`GuardPolicy.probe_kick`): the origin's learnt
+        deadline, then 2, 4, 8... times it; with nothing learnt below the probe's own deadline (too few answers
+        yet, learning off), a quarter of that deadline, then half. None when no kick comes before the give-up."""
+        plan = self.request.plan
+        if not plan.policy.probe_kick:
+            return None
+        first = plan.origin_probes.deadline(plan.policy)
+        if first >= self._deadline:
+            # A burst whose served connections are too few to learn from (the pool's threads held by long requests)
+            # still gets its kicks: they cost one short connection each, a stall costs the probe's whole deadline.
+            first = self._deadline * UNLEARNT_KICK_FRACTION
+        at = first * (2**self._kicks)
+        return at if at < self._deadline else None
+
+    def _on_written(self, event: Written) -> ConnectionAction:
+        return self._wait()
+
+    def _on_write_timed_out(self, event: TimedOut) -> ConnectionAction:
+        return self._give_up()
+
+    def _on_read_slice_passed(self, event: TimedOut) -> ConnectionAction:
+        self.request.plan.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
+        return self._wait()
+
+    def _on_kicked(self, event: Kicked) -> ConnectionAction:
+        self._kicks += 1
+        plan = self.request.plan
+        plan.origin_probes.kicked()
+        if event.failure is None:
+            plan.stats.add(probe_kicks=1)
+        else:
+            plan.stats.add(probe_kicks=1, probe_kicks_failed=1)
+            logger.debug("kick connection to %s failed: %s", plan.origin, event.failure)
+            plan.process.warnings.warning(
+                f"llama_guard: kick connections to {plan.origin} fail ({type(event.failure).__name__}): a connection "
+                "the server left unread is given up at probe_timeout and replaced instead of rescued; "
+                "stats.probe_kicks_failed counts them (GuardPolicy(probe_kick=False) turns kicks off)"
+            )
+        return self._wait()
+
+    def _on_received(self, event: Received) -> ConnectionAction:
+        assert self._exchange is not None
+        try:
+            answer = self._exchange.feed(event.data)
+        except ProbeProtocolError as error:
+            return self._on_broken(Broken(error))
+        if answer is None:
+            return self._wait()
+        return self._answered(answer)
+
+    def _on_broken(self, event: Broken) -> ConnectionAction:
+        self._probe_failed()
+        self._end()
+        return Abort(
+            "probe error", f"the probe of a new connection to {self.request.plan.origin} failed: {event.error}"
+        )
+
+    def _on_cancelled(self, event: Cancelled) -> ConnectionAction:
+        if self._exchange is not None:  # the probe was sent: neither answered nor failed
+            self.request.plan.origin_probes.probe_failed(self._number)
+        self._end()
+        return Abort("raised", "")
+
+    def _on_watched(self, event: Watched) -> ConnectionAction:
+        request = self.request
+        plan = request.plan
+        seconds = self._elapsed()
+        request.failed_probes += 1
+        plan.stats.record_probe(seconds, answered=False, given_up=True)
+        if event.unseen is not None:
+            why = (
+                f"a connection whose probe was given up could not be watched for a late answer: {event.unseen}; "
+                "such false alarms go uncounted (probes_answered_late) and do not raise the learnt probe deadline"
+            )
+            plan.stats.late_answers_unseen = why
+            plan.process.warnings.warning(f"llama_guard: {why}")
+        watch: GivenUpProbe = plan.origin_probes.probe_given_up(
+            self._number,
+            event.peek,
+            plan.stats,
+            self._clock() - seconds,
+            watch=plan.policy.probe_timeout_max,
+            close=event.close,
+        )
+        (self._watches if self._watches is not None else plan.guard.given_up).add(watch)
+        self._end()
+        return Abort(
+            "probe timeout",
+            f"new connection to {plan.origin} did not answer GET /health within {self._deadline:.3g} s: the server "
+            "is not reading it (llama-server before b11737 under a burst of connections); reconnecting",
+        )
+
+    # -- shared steps -------------------------------------------------------------------------------------------------
+
+    def _elapsed(self) -> float:
+        return self._clock() - self._started
+
+    def _wait(self) -> ConnectionAction:
+        """Wait for the answer: a read slice, or a kick when one is due; give up at the deadline in force, which
+        may change while the probe waits (other probes of the origin are answered)."""
+        plan = self.request.plan
+        self._deadline = self._probe_deadline()
+        elapsed = self._elapsed()
+        remaining = self._deadline - elapsed
+        if remaining <= 0:
+            return self._give_up()
+        kick = self._next_kick()
+        if kick is not None:
+            if elapsed >= kick:
+                self.state = ConnectionState.KICKING
+                return Kick(self._kick_host or plan.request.url.host, plan.origin.port, self._kick_path)
+            remaining = min(remaining, kick - elapsed)
+        self.state = ConnectionState.READING
+        return Read(min(remaining, PROBE_SLICE))
+
+    def _give_up(self) -> ConnectionAction:
+        self.state = ConnectionState.GIVING_UP
+        return GiveUp(self._socket)
+
+    def _answered(self, answer: ProbeAnswer) -> ConnectionAction:
+        request = self.request
+        plan = request.plan
+        seconds = self._elapsed()
+        if answer.keep_alive:
+            rescued = self._kicks > 0
+            plan.stats.record_probe(seconds, answered=True, rescued=rescued)
+            if rescued:  # one WARNING per burst, each rescue at DEBUG
+                plan.process.stalls.rescued(
+                    plan.origin,
+                    f"{plan.description}: the new connection answered its probe after {seconds:.2f} s and "
+                    f"{self._kicks} kick{'s' if self._kicks > 1 else ''}",
+                )
+            plan.origin_probes.probe_answered(seconds, self._number)
+            if self._connect_seconds is not None and not rescued:  # a rescued probe timed the stall, not the network
+                plan.teach(connect_cost=self._connect_seconds + seconds)
+            return self._ready()
+        # An answer that closes the connection fails the probe (counted with the ProbeError it raises).
+        self._probe_failed()
+        self._probe_closed(answer.status)
+        self._end()
+        return Abort(
+            "probe error", f"{plan.origin} answered GET /health with {answer.status} and closed the connection"
+        )
+
+    def _probe_failed(self) -> None:
+        request = self.request
+        request.failed_probes += 1
+        request.plan.stats.record_probe(self._elapsed(), answered=False)
+        request.plan.origin_probes.probe_failed(self._number)
+
+    def _probe_closed(self, status: int) -> None:
+        """The server answered the probe with ``status`` and closed the connection: that connection is lost."""
+        request = self.request
+        plan = request.plan
+        # llama-server answers 503 with Connection: close while it loads a model: the server is reading new
+        # connections, so this request's next attempts go unprobed: the request itself then gets the server's answer
+        # (a 503 "Loading model", retried on its own terms, and handed to the caller if it lasts) instead of failing
+        # probe after probe.
+        request.server_reads_connections = True
+        if not 200 <= status < 300:
+            request.probe_loading = status == 503
+            return
+        # A healthy server that closes every probed connection: probing can never leave a usable one there.
+        plan.guard.unprobeable.add(plan.origin)
+        logger.warning(
+            "%s closes connections after GET /health, so new connections cannot be probed; "
+            "probing disabled for this origin",
+            plan.origin,
+        )
+
+    def _probing_off(self, why: str) -> None:
+        """This connection cannot be probed although the request probes (``why``: the kind of connection): said once
+        per origin and reason, and in ``stats.probing_off``."""
+        plan = self.request.plan
+        text = f"new connections to {plan.origin} are not probed: {why}"
+        plan.stats.probing_off = text
+        plan.process.warnings.warning(
+            f"llama_guard: {text}; a connection llama-server leaves unread is not caught there (retries and stream "
+            "handling still apply)"
+        )
+
+    def _ready(self) -> Ready:
+        self._end()
+        self.request.connected()
+        return Ready()
+
+    def _end(self) -> None:
+        self.state = ConnectionState.DONE
+        admission = self._admission
+        if admission is not None:
+            self._admission = None
+            admission.leave()  # wakes the next connection waiting for its turn
+
+
+_Handler: TypeAlias = Callable[[ConnectionMachine, Any], ConnectionAction]
+_S = ConnectionState
+# Every (state, event) pair a connection can meet; any other raises UnexpectedEvent.
+_TRANSITIONS: dict[tuple[ConnectionState, type], _Handler] = {
+    (_S.NEW, Opening): ConnectionMachine._on_opening,
+    (_S.ADMITTING, Admitted): ConnectionMachine._on_admitted,
+    (_S.ADMITTING, NotAdmitted): ConnectionMachine._on_not_admitted,
+    (_S.ADMITTING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.OPENING, Opened): ConnectionMachine._on_opened,
+    (_S.OPENING, OpenFailed): ConnectionMachine._on_open_failed,
+    (_S.OPENING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.AWAITING_TLS, TlsDone): ConnectionMachine._on_opened,
+    (_S.AWAITING_TLS, OpenFailed): ConnectionMachine._on_open_failed,
+    (_S.AWAITING_TLS, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.WRITING, Written): ConnectionMachine._on_written,
+    (_S.WRITING, TimedOut): ConnectionMachine._on_write_timed_out,
+    (_S.WRITING, Broken): ConnectionMachine._on_broken,
+    (_S.WRITING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.READING, Received): ConnectionMachine._on_received,
+    (_S.READING, TimedOut): ConnectionMachine._on_read_slice_passed,
+    (_S.READING, Broken): ConnectionMachine._on_broken,
+    (_S.READING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.KICKING, Kicked): ConnectionMachine._on_kicked,
+    (_S.KICKING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.GIVING_UP, Watched): ConnectionMachine._on_watched,
+    (_S.GIVING_UP, Cancelled): ConnectionMachine._on_cancelled,
+}

@@ -1,0 +1,298 @@
+"""A guard's state, and the plan of each request it receives: where every stack's driver starts.
+
+A `Guard` is what one guarding object holds, whatever its stack: a transport's, an aiohttp middleware's, a requests
+adapter's. Its settings (`GuardPolicy`), counters (``stats``, with an account per origin), the llama-server origins
+it guards, the connection strategy of each origin, the connections whose probe it gave up on, the origins that
+cannot be probed, and the process's shared state (`ProcessState`), handed to it when it is made.
+
+For each request to a llama-server origin the driver asks `Guard.plan` for a `RequestPlan`: the request's facts and
+the decisions made before it is sent (its policy with the request's own options, whether it asks for a stream, its
+connection strategy, whether it carries ``Connection: close``, and whether its first attempt may go out as the
+caller built it, `RequestPlan.as_is`). Most requests end there: answered at once on a pooled connection
+(`RequestPlan.answered_at_once`). The others get a `RequestMachine` (`RequestPlan.machine`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .connection_strategy import ConnectionChoice, Strategies
+from .decisions import first_attempt_goes_as_is
+from .log import describe_request
+from .origin_probes import GivenUpWatches, OriginProbes
+from .origin_stats import Accounts
+from .origins import Origin, OriginRegistry
+from .policy import GuardPolicy
+from .process_state import ProcessState
+from .request_machine import RequestMachine
+from .result import GuardResult
+from .stats import GuardStats
+
+__all__ = ["Guard", "GuardedStats", "RequestPlan"]
+
+
+class Guard:
+    """One guard's state (see the module's doc). ``stack``: the name its counts per origin go under (``"httpx"``,
+    ``"httpx2"``, ``"aiohttp"``, ``"requests"``, ``"urllib3"``); ``unix_socket``: its connections go through one."""
+
+    __slots__ = (
+        "_accounts",
+        "_stats",
+        "given_up",
+        "origins",
+        "policy",
+        "process",
+        "stack",
+        "strategies",
+        "unprobeable",
+    )
+
+    def __init__(
+        self,
+        *,
+        policy: GuardPolicy,
+        stats: GuardStats,
+        origins: OriginRegistry,
+        stack: str,
+        process: ProcessState,
+        unix_socket: bool = False,
+    ) -> None:
+        self.policy = policy
+        self.origins = origins
+        self.stack = stack
+        self.process = process
+        self._stats = stats
+        self._accounts = Accounts(stats, stack)
+        self.strategies = Strategies(policy.connection, stats, process.connections, unix_socket=unix_socket)
+        # Connections whose probe was given up, watched a while for a late answer: ended when the guard closes.
+        self.given_up = GivenUpWatches()
+        # Origins whose server closed the connection after answering a probe: probing them cannot work.
+        self.unprobeable: set[Origin] = set()
+
+    @property
+    def stats(self) -> GuardStats:
+        return self._stats
+
+    @stats.setter
+    def stats(self, stats: GuardStats) -> None:
+        """Count into ``stats`` from now on (one shared with other guards): the accounts per origin and the records of
+        the connection strategies move with it."""
+        self._stats = stats
+        self._accounts = Accounts(stats, self.stack)
+        self.strategies.stats = stats
+
+    def account(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
+        """The account of an origin in the stats (`GuardStats.of_origin`), by its URL's parts."""
+        return self._accounts.of(scheme, host, port, origin)
+
+    def plan(
+        self,
+        request: Any,
+        *,
+        scheme: str,
+        host: str,
+        port: int | None,
+        origin: Origin | None,
+        overrides: Any,
+        body: bytes | None,
+        stream: bool,
+        started: float,
+        may_close: bool = True,
+        hooks_follow: bool = True,
+    ) -> RequestPlan:
+        """The plan of a request to a llama-server origin.
+
+        ``request``: what the machines read of it (``method``, ``url`` with ``scheme``, ``host``, ``port``, ``path``
+        and ``netloc``, ``headers``, ``extensions`` with httpx's ``timeout``); ``scheme``, ``host``, ``port``: its
+        URL's, as the stack spells them; ``origin``: if worked out already; ``overrides``: the request's own options
+        (a dict of `GuardPolicy` fields) or None; ``body``: its bytes when held in memory (None: a one-shot stream);
+        ``stream``: it asks for ``"stream": true``; ``started``: when the guard received it; ``may_close``: whether
+        ``Connection: close`` may go on it (not where HTTP/2 may carry it); ``hooks_follow``: the stack sees the
+        attempt's new connections anyway (a first attempt sent as it is can still be probed and judged)."""
+        policy = self.policy if overrides is None else self.policy.merged(overrides)
+        stats = self._accounts.of(scheme, host, port, origin)
+        connection = self.strategies.choice(scheme, host, port, origin, policy.connection)
+        closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
+        as_is = first_attempt_goes_as_is(
+            body,
+            has_overrides=overrides is not None,
+            adds_deadline=policy.first_byte_timeout is not None,
+            hooks_follow=hooks_follow,
+        )
+        return RequestPlan(
+            guard=self,
+            request=request,
+            origin=origin,
+            policy=policy,
+            stats=stats,
+            body=body,
+            stream=stream,
+            started=started,
+            connection=connection,
+            close_connection=closes,
+            as_is=as_is,
+        )
+
+    def close(self) -> None:
+        """The guard closes: its given-up connections go with it, and a stall episode it opened is logged now."""
+        self.given_up.end_all()
+        self.process.stalls.flush()
+
+
+class RequestPlan:
+    """One request's facts and the decisions made before it is sent (see `Guard.plan`); its `RequestMachine` once
+    something needs one.
+
+    ``as_is``: its first attempt may go out as the caller built it, with no machine (a replayable body, no
+    per-request options, no first-byte deadline: ``Connection: close``, when the plan says it, goes on a copy of the
+    caller's headers); ``close_connection``: every attempt carries ``Connection: close`` (the close strategy, or a
+    llama stream in ``stream_mode="close"``); ``drops_streams``: a stream's connection that the header does not
+    close is dropped after the final chunk."""
+
+    __slots__ = (
+        "_machine",
+        "_origin",
+        "as_is",
+        "body",
+        "close_connection",
+        "connection",
+        "drops_streams",
+        "guard",
+        "policy",
+        "request",
+        "started",
+        "stats",
+        "stream",
+    )
+
+    def __init__(
+        self,
+        *,
+        guard: Guard,
+        request: Any,
+        origin: Origin | None,
+        policy: GuardPolicy,
+        stats: GuardStats,
+        body: bytes | None,
+        stream: bool,
+        started: float,
+        connection: ConnectionChoice,
+        close_connection: bool,
+        as_is: bool,
+    ) -> None:
+        self.guard = guard
+        self.request = request
+        self._origin = origin
+        self.policy = policy
+        self.stats = stats
+        self.body = body
+        self.stream = stream
+        self.started = started
+        self.connection = connection
+        self.close_connection = close_connection
+        self.drops_streams = not close_connection and policy.stream_mode != "off"
+        self.as_is = as_is
+        self._machine: RequestMachine | None = None
+
+    # -- the request's facts, worked out when asked -------------------------------------------------------------------
+
+    @property
+    def origin(self) -> Origin:
+        """Where the request goes (worked out only when needed: with ``origins="all"`` the usual request never is)."""
+        if self._origin is None:
+            self._origin = Origin.of_url(self.request.url)
+        return self._origin
+
+    @property
+    def process(self) -> ProcessState:
+        return self.guard.process
+
+    @property
+    def origin_probes(self) -> OriginProbes:
+        """The probe deadline in force and the admission of new connections for this request's origin."""
+        return self.guard.process.probes.of(self.origin)
+
+    @property
+    def description(self) -> str:
+        """For logs and error messages: method, origin and path (never the query string)."""
+        url = self.request.url
+        return describe_request(self.request.method, url.scheme, url.host, url.port, url.path)
+
+    @property
+    def host_header(self) -> str:
+        """The ``Host`` header the request goes with, for its connection's probe."""
+        own = getattr(self.request, "host_header", None)
+        if isinstance(own, str):
+            return own
+        host: str = self.request.headers.get("host") or self.request.url.netloc.decode("ascii")
+        return host
+
+    def caller_read_timeout(self) -> float | None:
+        """The caller's own read timeout (httpx's ``timeout`` extension, as every stack's request view has it)."""
+        timeouts: dict[str, float | None] = self.request.extensions.get("timeout", {})
+        return timeouts.get("read")
+
+    def teach(self, *, connect_cost: float | None = None, request: float | None = None) -> None:
+        """Teach the origin's ``"auto"`` connection strategy a new connection's cost or a request's time."""
+        self.guard.process.connections.teach(self.origin, self.stats, connect_cost=connect_cost, request=request)
+
+    # -- the machine --------------------------------------------------------------------------------------------------
+
+    def start(self) -> RequestMachine:
+        """The machine of a request whose first attempt needs one from the start (not `as_is`)."""
+        machine = self._machine = RequestMachine(self)
+        return machine
+
+    def machine(self) -> RequestMachine:
+        """The request's machine; made now, during its first attempt sent as it is, if it had none (a new connection
+        to probe, a failure, a 503/429), and carrying on from that attempt."""
+        machine = self._machine
+        if machine is None:
+            machine = self._machine = RequestMachine(self, sent=True)
+        return machine
+
+    @property
+    def has_machine(self) -> bool:
+        return self._machine is not None
+
+    # -- a first attempt answered at once -----------------------------------------------------------------------------
+
+    def answered_at_once(self, dropped: bool) -> GuardResult:
+        """A first attempt sent as it is, answered (not 503/429) with no machine: its result, counted.
+        ``dropped``: its stream's connection will be dropped after the final chunk."""
+        first_byte = time.monotonic() - self.started
+        connection = self.connection
+        if not connection.final:
+            self.teach(request=first_byte)
+        closes = self.close_connection
+        # A stream's connection closed by the header (stats.stream_connections_closed); the close strategy's are not.
+        self.stats.record_request(1, first_byte, closes and self.stream)
+        return GuardResult(
+            attempts=1,
+            reconnects=0,
+            first_byte_seconds=first_byte,
+            stream=self.stream,
+            connection_closed=closes or dropped,
+            connection=connection.strategy,
+        )
+
+    def interrupted(self) -> None:
+        """A first attempt sent as it is was cancelled or interrupted: counted as a request, as any."""
+        self.stats.record_request(1, None, False)
+
+
+class GuardedStats:
+    """The ``stats`` of a driver that holds a `Guard` in ``_guard``: read, or replaced (by a `GuardStats` shared
+    with other guards)."""
+
+    _guard: Guard
+
+    @property
+    def stats(self) -> GuardStats:
+        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
+        return self._guard.stats
+
+    @stats.setter
+    def stats(self, stats: GuardStats) -> None:
+        self._guard.stats = stats
