@@ -18,6 +18,7 @@ from aiohttp.payload import BytesPayload
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import FailureKind, is_streaming_response, wants_stream
+from .._core.errors import caller_error
 from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
 from .._core.request_machine import Answered, ErrorBodyRead, Fail, Failed, Send
@@ -133,7 +134,7 @@ class AiohttpAttempts:
         kind = failure_kind(exc)
         if kind is not None and body_error(exc):
             plan.machine().headers_received()  # the headers were parsed: the attempt got as far as the response
-        return Failed(kind, type(exc).__name__, without_quoted_values(str(exc)))
+        return Failed(kind, type(exc).__name__, error_text(exc))
 
     def answered(self, response: aiohttp.ClientResponse) -> Answered:
         self._response = response
@@ -166,16 +167,12 @@ class AiohttpAttempts:
         return response
 
     def error(self, fail: Fail | None) -> BaseException:
-        error = self._error
-        assert error is not None
-        if fail is None:
-            return error
-        message = f"{without_quoted_values(str(error)) or type(error).__name__} {fail.message}"
-        guarded = guarded_error(
-            error, message=message, attempts=fail.attempts, elapsed=fail.elapsed, history=fail.history
-        )
-        guarded.__cause__ = error
-        return guarded
+        assert self._error is not None
+        return caller_error(self._error, fail, text=error_text, guarded=guarded_error)
+
+
+def error_text(error: BaseException) -> str:
+    return without_quoted_values(str(error))
 
 
 def drop_stream(response: aiohttp.ClientResponse, stats: Any) -> bool:

@@ -15,7 +15,7 @@ import aiohttp
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import is_streaming_response
-from .._core.guard import Guard, GuardedStats
+from .._core.guard import Guard, GuardAttributes
 from .._core.llama_server import RETRIED_STATUSES
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
@@ -42,7 +42,7 @@ def guard_result(response: aiohttp.ClientResponse) -> GuardResult | None:
     return RESULTS.get(response)
 
 
-class GuardMiddleware(GuardedStats):
+class GuardMiddleware(GuardAttributes):
     """An aiohttp client middleware that makes a session safe against llama-server (see `GuardPolicy`).
 
     Requests to llama-server origins get the guard's retries, stream handling and first-byte deadline; every other
@@ -78,21 +78,6 @@ class GuardMiddleware(GuardedStats):
             stack=STACK,
             process=process if process is not None else PROCESS,
         )
-
-    @property
-    def policy(self) -> GuardPolicy:
-        return self._guard.policy
-
-    @property
-    def origins(self) -> OriginRegistry:
-        return self._guard.origins
-
-    @property
-    def process(self) -> ProcessState:
-        return self._guard.process
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.policy!r}>"
 
     async def __call__(self, request: aiohttp.ClientRequest, handler: ClientHandler) -> aiohttp.ClientResponse:
         guard = self._guard

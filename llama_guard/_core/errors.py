@@ -3,9 +3,13 @@ stack's ``Guarded<X>`` classes (X: the stack's own error class, so that ``except
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-__all__ = ["GuardError", "GuardedClasses"]
+if TYPE_CHECKING:
+    from .request_machine import Fail
+
+__all__ = ["GuardError", "GuardedClasses", "caller_error"]
 
 E = TypeVar("E", bound=BaseException)
 
@@ -48,3 +52,21 @@ class GuardedClasses(Generic[E]):
             self._namespace[name] = cls
             self._made[base] = cls
         return cls
+
+
+def caller_error(
+    error: E,
+    fail: Fail | None,
+    *,
+    text: Callable[[BaseException], str],
+    guarded: Callable[..., E],
+) -> E:
+    """The caller's error once the guard stops: ``error`` as it is (``fail`` None: not the network's), or the guard's
+    of the same class (``guarded``, the stack's `GuardedClasses` maker) whose message is the error's own (``text``)
+    followed by the guard's account, caused by ``error``."""
+    if fail is None:
+        return error
+    message = f"{text(error) or type(error).__name__} {fail.message}"
+    made = guarded(error, message=message, attempts=fail.attempts, elapsed=fail.elapsed, history=fail.history)
+    made.__cause__ = error
+    return made

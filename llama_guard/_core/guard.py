@@ -15,7 +15,7 @@ caller built it, `RequestPlan.as_is`). Most requests end there: answered at once
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from .connection_strategy import ConnectionChoice, Strategies
 from .decisions import first_attempt_goes_as_is
@@ -29,7 +29,7 @@ from .request_machine import RequestMachine
 from .result import GuardResult
 from .stats import GuardStats
 
-__all__ = ["Guard", "GuardedStats", "RequestPlan"]
+__all__ = ["Guard", "GuardAttributes", "RequestPlan"]
 
 
 class Guard:
@@ -282,17 +282,44 @@ class RequestPlan:
         self.stats.record_request(1, None, False)
 
 
-class GuardedStats:
-    """The ``stats`` of a driver that holds a `Guard` in ``_guard``: read, or replaced (by a `GuardStats` shared
-    with other guards)."""
+T = TypeVar("T")
 
-    _guard: Guard
 
-    @property
-    def stats(self) -> GuardStats:
-        """The counters this guard counts into (a `GuardStats`; may be replaced, say by one shared with others)."""
-        return self._guard.stats
+class _FromGuard(Generic[T]):
+    """An attribute of a driver that is its guard's (``driver._guard.<name>``): read there."""
 
-    @stats.setter
-    def stats(self, stats: GuardStats) -> None:
-        self._guard.stats = stats
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, driver: None, owner: type) -> _FromGuard[T]: ...
+    @overload
+    def __get__(self, driver: object, owner: type) -> T: ...
+    def __get__(self, driver: object | None, owner: type) -> T | _FromGuard[T]:
+        if driver is None:
+            return self
+        value: T = getattr(driver._guard, self._name)  # type: ignore[attr-defined]
+        return value
+
+
+class _StatsFromGuard(_FromGuard[GuardStats]):
+    """A driver's ``stats``: its guard's, which may be replaced (by a `GuardStats` shared with other guards)."""
+
+    def __set__(self, driver: object, stats: GuardStats) -> None:
+        driver._guard.stats = stats  # type: ignore[attr-defined]
+
+
+class GuardAttributes:
+    """What a driver that holds a `Guard` (in ``_guard``) shows of it: its ``policy``, the llama-server ``origins``
+    it guards, the ``process`` state it shares, and its ``stats`` (the counters it counts into; may be replaced,
+    say by a `GuardStats` shared with other guards)."""
+
+    _guard: Guard  # set by the driver
+
+    policy: _FromGuard[GuardPolicy] = _FromGuard()
+    origins: _FromGuard[OriginRegistry] = _FromGuard()
+    process: _FromGuard[ProcessState] = _FromGuard()
+    stats: _StatsFromGuard = _StatsFromGuard()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.policy!r}>"

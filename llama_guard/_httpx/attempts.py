@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from .._core import errors
 from .._core.decisions import FailureKind, wants_stream
 from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
@@ -115,13 +116,10 @@ def judged_failure(plan: RequestPlan, exc: Exception) -> tuple[Failed, Exception
 
 def caller_error(error: Exception, fail: Fail | None) -> Exception:
     """The caller's error once the guard stops (``fail``: its account): the same httpx class, as the guard's; an
-    error that is not the network's as it is."""
-    if fail is None or not isinstance(error, httpx.TransportError):
+    error that is not httpx's as it is."""
+    if not isinstance(error, httpx.TransportError):
         return error
-    message = f"{error_text(error) or type(error).__name__} {fail.message}"
-    guarded = guarded_error(error, message=message, attempts=fail.attempts, elapsed=fail.elapsed, history=fail.history)
-    guarded.__cause__ = error
-    return guarded
+    return errors.caller_error(error, fail, text=error_text, guarded=guarded_error)
 
 
 def error_text(exc: BaseException) -> str:

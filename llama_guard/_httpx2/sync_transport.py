@@ -15,7 +15,7 @@ from typing import Any
 import httpx2 as httpx
 
 from .._core import connection_machine as connection
-from .._core.guard import Guard, GuardedStats, RequestPlan
+from .._core.guard import Guard, GuardAttributes, RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
 from .._core.log import logger
 from .._core.origins import Origin, OriginRegistry
@@ -50,7 +50,7 @@ DEFAULT_LIMITS = httpx.Limits(max_connections=100, max_keepalive_connections=20,
 STACK = httpx.__name__
 
 
-class GuardTransport(GuardedStats, httpx.BaseTransport):
+class GuardTransport(GuardAttributes, httpx.BaseTransport):
     """An httpx transport that makes a pooled client safe against llama-server.
 
     Wraps ``transport`` (default: a new `httpx.HTTPTransport` whose keep-alive expiry is below
@@ -117,10 +117,6 @@ class GuardTransport(GuardedStats, httpx.BaseTransport):
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
         self._reports_trace_events: bool | None = None
-
-    @property
-    def policy(self) -> GuardPolicy:
-        return self._guard.policy
 
     @property
     def transport(self) -> httpx.BaseTransport:

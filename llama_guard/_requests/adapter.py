@@ -16,6 +16,7 @@ from typing import Any
 import requests
 import requests.adapters
 
+from .._core.guard import GuardAttributes
 from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.request_options import request_options
@@ -53,7 +54,7 @@ def _new_guard(policy: GuardPolicy | None, stats: GuardStats | None, origins: Or
     )
 
 
-class GuardAdapter(requests.adapters.HTTPAdapter):
+class GuardAdapter(GuardAttributes, requests.adapters.HTTPAdapter):
     """A requests transport adapter that makes a session safe against llama-server (see `GuardPolicy`).
 
     Takes `requests.adapters.HTTPAdapter`'s arguments (``pool_connections``, ``pool_maxsize``, ``max_retries``,
@@ -82,17 +83,6 @@ class GuardAdapter(requests.adapters.HTTPAdapter):
         _checked(policy, stats, origins)
         self._guard = _new_guard(policy, stats, origins)
         super().__init__(pool_connections, pool_maxsize, max_retries, pool_block)
-
-    @property
-    def policy(self) -> GuardPolicy:
-        return self._guard.policy
-
-    @property
-    def stats(self) -> GuardStats:
-        return self._guard.stats
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.policy!r}>"
 
     def init_poolmanager(self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any) -> None:
         super().init_poolmanager(connections, maxsize, block, **pool_kwargs)

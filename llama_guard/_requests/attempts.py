@@ -17,6 +17,7 @@ from urllib3.util.timeout import Timeout
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import FailureKind
+from .._core.errors import caller_error
 from .._core.guard import RequestPlan
 from .._core.llama_server import RETRIED_STATUSES
 from .._core.request_machine import MAX_SOCKET_WAIT, Answered, ErrorBodyRead, Fail, Failed, Send
@@ -206,16 +207,8 @@ class Urllib3Attempts:
         return respond(response, result, self._preload)
 
     def error(self, fail: Fail | None) -> BaseException:
-        error = self._error
-        assert error is not None
-        if fail is None:
-            return error
-        message = f"{error_text(error) or type(error).__name__} {fail.message}"
-        guarded = guarded_urllib3_error(
-            error, message=message, attempts=fail.attempts, elapsed=fail.elapsed, history=fail.history
-        )
-        guarded.__cause__ = error
-        return guarded
+        assert self._error is not None
+        return caller_error(self._error, fail, text=error_text, guarded=guarded_urllib3_error)
 
 
 def respond(response: BaseHTTPResponse, result: GuardResult, preload: tuple[bool, bool]) -> BaseHTTPResponse:

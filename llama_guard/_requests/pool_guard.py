@@ -29,7 +29,7 @@ from urllib3.util.retry import Retry
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import wants_stream
-from .._core.guard import Guard, GuardedStats
+from .._core.guard import Guard, GuardAttributes
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
@@ -105,7 +105,7 @@ class _PoolHook:
         self.own_get = "_get_conn" in instance
 
 
-class PoolGuard(GuardedStats):
+class PoolGuard(GuardAttributes):
     """The guard's state for the pools it hooks: its `Guard` (settings, counters, connection strategies, given-up
     probes), and the pools.
 
@@ -135,14 +135,6 @@ class PoolGuard(GuardedStats):
         self._last_retries: tuple[Any, bool, Any] | None = None  # (caller's Retry, redirect, what attempts get)
         self._pools: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
-
-    @property
-    def policy(self) -> GuardPolicy:
-        return self._guard.policy
-
-    @property
-    def origins(self) -> OriginRegistry:
-        return self._guard.origins
 
     @property
     def given_up(self) -> Any:
