@@ -64,19 +64,12 @@ class GuardMiddleware(GuardAttributes):
         """``stats``: a `GuardStats` to count into (shared with other guards), else a new one. ``origins``: a
         registry of llama-server origins shared with other guards (what `install()` passes); else the policy's.
         ``process``: what the guards of the process share; the process's own unless given (tests)."""
-        if policy is not None and not isinstance(policy, GuardPolicy):
-            raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
-        if stats is not None and not isinstance(stats, GuardStats):
-            raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
-        if origins is not None and not isinstance(origins, OriginRegistry):
-            raise TypeError(f"origins must be an OriginRegistry or None; got {type(origins).__name__}")
-        policy = policy if policy is not None else GuardPolicy()
-        self._guard = Guard(
+        self._guard = Guard.made(
             policy=policy,
-            stats=stats if stats is not None else GuardStats(),
-            origins=origins if origins is not None else OriginRegistry(policy.origins),
-            stack=STACK,
+            stats=stats,
+            origins=origins,
             process=process if process is not None else PROCESS,
+            stack=STACK,
         )
 
     async def __call__(self, request: aiohttp.ClientRequest, handler: ClientHandler) -> aiohttp.ClientResponse:

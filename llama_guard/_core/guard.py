@@ -15,6 +15,7 @@ caller built it, `RequestPlan.as_is`). Most requests end there: answered at once
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from .connection_strategy import ConnectionChoice, Strategies
@@ -30,6 +31,9 @@ from .result import GuardResult
 from .stats import GuardStats
 
 __all__ = ["Guard", "GuardAttributes", "RequestPlan"]
+
+
+GuardT = TypeVar("GuardT", bound="Guard")
 
 
 class Guard:
@@ -69,6 +73,34 @@ class Guard:
         self.given_up = GivenUpWatches()
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
         self.unprobeable: set[Origin] = set()
+
+    @classmethod
+    def made(
+        cls: type[GuardT],
+        *,
+        policy: object,
+        stats: object,
+        origins: object,
+        process: ProcessState,
+        **kwargs: Any,
+    ) -> GuardT:
+        """A guard from a driver's arguments, checked (a TypeError that names what was wrong and what is accepted),
+        with the defaults for those left None: a default `GuardPolicy`, new counters, the policy's origins.
+        ``kwargs``: the rest of the constructor's (``stack``...)."""
+        if policy is not None and not isinstance(policy, GuardPolicy):
+            raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
+        if stats is not None and not isinstance(stats, GuardStats):
+            raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
+        if origins is not None and not isinstance(origins, OriginRegistry):
+            raise TypeError(f"origins must be an OriginRegistry or None; got {type(origins).__name__}")
+        policy = policy if policy is not None else GuardPolicy()
+        return cls(
+            policy=policy,
+            stats=stats if stats is not None else GuardStats(),
+            origins=origins if origins is not None else OriginRegistry(policy.origins),
+            process=process,
+            **kwargs,
+        )
 
     @property
     def stats(self) -> GuardStats:
@@ -123,7 +155,7 @@ class Guard:
         return RequestPlan(
             guard=self,
             request=request,
-            origin=origin,
+            given_origin=origin,
             policy=policy,
             stats=stats,
             body=body,
@@ -131,6 +163,7 @@ class Guard:
             started=started,
             connection=connection,
             close_connection=closes,
+            drops_streams=not closes and policy.stream_mode != "off",
             as_is=as_is,
         )
 
@@ -140,6 +173,7 @@ class Guard:
         self.process.stalls.flush()
 
 
+@dataclass(slots=True, eq=False)
 class RequestPlan:
     """One request's facts and the decisions made before it is sent (see `Guard.plan`); its `RequestMachine` once
     something needs one.
@@ -148,61 +182,31 @@ class RequestPlan:
     per-request options, no first-byte deadline: ``Connection: close``, when the plan says it, goes on a copy of the
     caller's headers); ``close_connection``: every attempt carries ``Connection: close`` (the close strategy, or a
     llama stream in ``stream_mode="close"``); ``drops_streams``: a stream's connection that the header does not
-    close is dropped after the final chunk."""
+    close is dropped after the final chunk; ``given_origin``: the origin when the driver worked it out already."""
 
-    __slots__ = (
-        "_machine",
-        "_origin",
-        "as_is",
-        "body",
-        "close_connection",
-        "connection",
-        "drops_streams",
-        "guard",
-        "policy",
-        "request",
-        "started",
-        "stats",
-        "stream",
-    )
-
-    def __init__(
-        self,
-        *,
-        guard: Guard,
-        request: Any,
-        origin: Origin | None,
-        policy: GuardPolicy,
-        stats: GuardStats,
-        body: bytes | None,
-        stream: bool,
-        started: float,
-        connection: ConnectionChoice,
-        close_connection: bool,
-        as_is: bool,
-    ) -> None:
-        self.guard = guard
-        self.request = request
-        self._origin = origin
-        self.policy = policy
-        self.stats = stats
-        self.body = body
-        self.stream = stream
-        self.started = started
-        self.connection = connection
-        self.close_connection = close_connection
-        self.drops_streams = not close_connection and policy.stream_mode != "off"
-        self.as_is = as_is
-        self._machine: RequestMachine | None = None
+    guard: Guard
+    request: Any
+    given_origin: Origin | None
+    policy: GuardPolicy
+    stats: GuardStats
+    body: bytes | None
+    stream: bool
+    started: float
+    connection: ConnectionChoice
+    close_connection: bool
+    drops_streams: bool
+    as_is: bool
+    _machine: RequestMachine | None = field(default=None, init=False)
 
     # -- the request's facts, worked out when asked -------------------------------------------------------------------
 
     @property
     def origin(self) -> Origin:
         """Where the request goes (worked out only when needed: with ``origins="all"`` the usual request never is)."""
-        if self._origin is None:
-            self._origin = Origin.of_url(self.request.url)
-        return self._origin
+        origin = self.given_origin
+        if origin is None:
+            origin = self.given_origin = Origin.of_url(self.request.url)
+        return origin
 
     @property
     def process(self) -> ProcessState:

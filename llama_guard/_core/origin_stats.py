@@ -20,27 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .origins import Origin
-from .stats import GuardStats, LatencyHistogram, StatsSnapshot
+from .stats import COUNTERS, GuardStats, LatencyHistogram, StatsSnapshot
 
 __all__ = ["COUNTS", "EVERY_STATS", "Accounts", "OriginStats", "OriginTotals", "StatsSet"]
 
 #: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
-COUNTS = (
-    "requests",
-    "attempts",
-    "retries",
-    "stall_reconnects",
-    "stream_connections_closed",
-    "stream_connections_dropped",
-    "probes_sent",
-    "probes_failed",
-    "probes_given_up",
-    "probes_answered_late",
-    "probe_kicks",
-    "probe_kicks_failed",
-    "probes_rescued",
-    "admission_waits",
-)
+COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
 
 
 class _ParentCondition:
@@ -109,19 +94,9 @@ class OriginStats(GuardStats):
         lock = self._lock
         lock.acquire()
         try:
-            self.requests += 1
-            self.attempts += attempts
-            if closed_by_header:
-                self.stream_connections_closed += 1
-            if first_byte is not None:
-                index = self.first_byte.record(first_byte)
+            bucket = self._count_request(attempts, first_byte, closed_by_header)
             if parent is not None:
-                parent.requests += 1
-                parent.attempts += attempts
-                if closed_by_header:
-                    parent.stream_connections_closed += 1
-                if first_byte is not None:
-                    parent.first_byte.record_at(index, first_byte)
+                parent._count_request(attempts, first_byte, closed_by_header, bucket)
         finally:
             lock.release()
 

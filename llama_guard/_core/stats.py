@@ -16,7 +16,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .origins import Origin
 
-__all__ = ["GuardStats", "LatencyHistogram", "LatencySummary", "StatsSnapshot"]
+__all__ = ["COUNTERS", "GuardStats", "LatencyHistogram", "LatencySummary", "StatsSnapshot"]
+
+#: The whole-number counters of `GuardStats` and `StatsSnapshot`, in the order they are shown.
+COUNTERS = (
+    "requests",
+    "passthrough",
+    "attempts",
+    "retries",
+    "stall_reconnects",
+    "stream_connections_closed",
+    "probes_sent",
+    "probes_failed",
+    "probes_given_up",
+    "probes_answered_late",
+    "probe_kicks",
+    "probe_kicks_failed",
+    "probes_rescued",
+    "admission_waits",
+    "stream_connections_dropped",
+)
 
 _MIN_SECONDS = 1e-5
 _GROWTH = 1.02
@@ -185,26 +204,7 @@ class StatsSnapshot:
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
-        data: dict[str, Any] = {
-            name: getattr(self, name)
-            for name in (
-                "requests",
-                "passthrough",
-                "attempts",
-                "retries",
-                "stall_reconnects",
-                "stream_connections_closed",
-                "probes_sent",
-                "probes_failed",
-                "probes_given_up",
-                "probes_answered_late",
-                "probe_kicks",
-                "probe_kicks_failed",
-                "probes_rescued",
-                "admission_waits",
-                "stream_connections_dropped",
-            )
-        }
+        data: dict[str, Any] = {name: getattr(self, name) for name in COUNTERS}
         data["errors"] = dict(self.errors)
         data["retries_by_reason"] = dict(self.retries_by_reason)
         # `is not None`: an empty summary is false, and still a summary (count 0).
@@ -310,14 +310,25 @@ class GuardStats:
         lock = self._lock
         lock.acquire()
         try:
-            self.requests += 1
-            self.attempts += attempts
-            if closed_by_header:
-                self.stream_connections_closed += 1
-            if first_byte is not None:
-                self.first_byte.record(first_byte)
+            self._count_request(attempts, first_byte, closed_by_header)
         finally:
             lock.release()
+
+    def _count_request(
+        self, attempts: int, first_byte: float | None, closed_by_header: bool, bucket: int | None = None
+    ) -> int | None:
+        """`record_request`'s counts, under the caller's hold of the lock; ``bucket``: the first byte's histogram
+        bucket when another histogram worked it out already. Returns that bucket."""
+        self.requests += 1
+        self.attempts += attempts
+        if closed_by_header:
+            self.stream_connections_closed += 1
+        if first_byte is None:
+            return None
+        if bucket is None:
+            return self.first_byte.record(first_byte)
+        self.first_byte.record_at(bucket, first_byte)
+        return bucket
 
     def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
         """A probe ended: answered in ``seconds`` (``rescued``: after a kick), or failed (``given_up``: its deadline
@@ -351,21 +362,7 @@ class GuardStats:
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             return StatsSnapshot(
-                requests=self.requests,
-                passthrough=self.passthrough,
-                attempts=self.attempts,
-                retries=self.retries,
-                stall_reconnects=self.stall_reconnects,
-                stream_connections_closed=self.stream_connections_closed,
-                probes_sent=self.probes_sent,
-                probes_failed=self.probes_failed,
-                probes_given_up=self.probes_given_up,
-                probes_answered_late=self.probes_answered_late,
-                probe_kicks=self.probe_kicks,
-                probe_kicks_failed=self.probe_kicks_failed,
-                probes_rescued=self.probes_rescued,
-                admission_waits=self.admission_waits,
-                stream_connections_dropped=self.stream_connections_dropped,
+                **{name: getattr(self, name) for name in COUNTERS},
                 errors=dict(self.errors),
                 retries_by_reason=dict(self.retries_by_reason),
                 first_byte=self.first_byte.summary(),

@@ -75,26 +75,21 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
         registry of llama-server origins to share with other transports (what `install()` passes); else the
         policy's. ``process``: what the guards of the process share (the probe deadlines learnt, the connection
         strategies...); the process's own unless given (tests)."""
-        if policy is not None and not isinstance(policy, GuardPolicy):
-            raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
         if transport is not None and not isinstance(transport, httpx.BaseTransport):
             raise TypeError(
                 "transport must be an httpx.BaseTransport (for an async client use AsyncGuardTransport); "
                 f"got {type(transport).__name__}"
             )
-        if stats is not None and not isinstance(stats, GuardStats):
-            raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
         self._transport = transport if transport is not None else httpx.HTTPTransport(limits=DEFAULT_LIMITS)
-        policy = policy if policy is not None else GuardPolicy()
-        process = process if process is not None else PROCESS
-        self._guard = Guard(
+        self._guard = Guard.made(
             policy=policy,
-            stats=stats if stats is not None else GuardStats(),
-            origins=origins if origins is not None else OriginRegistry(policy.origins),
+            stats=stats,
+            origins=origins,
+            process=process if process is not None else PROCESS,
             stack=STACK,
-            process=process,
             unix_socket=unix_socket_path(self._transport) is not None,
         )
+        process = self._guard.process
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
         # New connections are probed, and attempts followed, by hooks on the httpcore pool (internals.py), on the

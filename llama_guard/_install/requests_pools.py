@@ -55,9 +55,15 @@ class InstalledPools:
                     return None
                 if self._guard is None:
                     from .._requests.pool_guard import PoolGuard
+                    from .._runtime import PROCESS
 
                     self._guard = PoolGuard(
-                        policy=self._policy, stats=self._stats, origins=self._origins, stack=STACK, explicit=False
+                        policy=self._policy,
+                        stats=self._stats,
+                        origins=self._origins,
+                        stack=STACK,
+                        explicit=False,
+                        process=PROCESS,
                     )
                 guard = self._guard
         return guard

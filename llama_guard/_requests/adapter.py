@@ -22,6 +22,7 @@ from .._core.policy import GuardPolicy
 from .._core.request_options import request_options
 from .._core.result import GuardResult
 from .._core.stats import GuardStats
+from .._runtime import PROCESS
 from .exceptions import guarded_requests_error
 from .internals import wrap_new_pool
 from .pool_guard import PoolGuard, result_of_urllib3
@@ -34,24 +35,8 @@ STACK = "requests"
 GUARD_ATTRIBUTE = "_llama_guard"
 
 
-def _checked(policy: object, stats: object, origins: object) -> None:
-    if policy is not None and not isinstance(policy, GuardPolicy):
-        raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
-    if stats is not None and not isinstance(stats, GuardStats):
-        raise TypeError(f"stats must be a llama_guard.GuardStats or None; got {type(stats).__name__}")
-    if origins is not None and not isinstance(origins, OriginRegistry):
-        raise TypeError(f"origins must be an OriginRegistry or None; got {type(origins).__name__}")
-
-
-def _new_guard(policy: GuardPolicy | None, stats: GuardStats | None, origins: OriginRegistry | None) -> PoolGuard:
-    policy = policy if policy is not None else GuardPolicy()
-    return PoolGuard(
-        policy=policy,
-        stats=stats if stats is not None else GuardStats(),
-        origins=origins if origins is not None else OriginRegistry(policy.origins),
-        stack=STACK,
-        explicit=True,
-    )
+def _new_guard(policy: object, stats: object, origins: object) -> PoolGuard:
+    return PoolGuard.made(policy=policy, stats=stats, origins=origins, process=PROCESS, stack=STACK, explicit=True)
 
 
 class GuardAdapter(GuardAttributes, requests.adapters.HTTPAdapter):
@@ -67,6 +52,8 @@ class GuardAdapter(GuardAttributes, requests.adapters.HTTPAdapter):
     out at most ``max_attempts`` times, never the product of both.
     """
 
+    _guard: PoolGuard
+
     def __init__(
         self,
         pool_connections: int = requests.adapters.DEFAULT_POOLSIZE,
@@ -80,7 +67,6 @@ class GuardAdapter(GuardAttributes, requests.adapters.HTTPAdapter):
     ) -> None:
         """``stats``: a `GuardStats` to count into (shared with other guards), else a new one. ``origins``: a
         registry of llama-server origins shared with other guards (what `install()` passes); else the policy's."""
-        _checked(policy, stats, origins)
         self._guard = _new_guard(policy, stats, origins)
         super().__init__(pool_connections, pool_maxsize, max_retries, pool_block)
 
@@ -170,7 +156,8 @@ def guard_session(session: requests.Session, *, policy: GuardPolicy | None = Non
     """
     if not isinstance(session, requests.Session):
         raise TypeError(f"guard_session() takes a requests.Session; got {type(session).__name__}")
-    _checked(policy, None, None)
+    if policy is not None and not isinstance(policy, GuardPolicy):
+        raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
     shared: list[PoolGuard] = []
     for adapter in session.adapters.values():
         if not isinstance(adapter, requests.adapters.HTTPAdapter):

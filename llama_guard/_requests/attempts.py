@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 from urllib3.response import BaseHTTPResponse, HTTPResponse
@@ -32,16 +33,14 @@ RESULT_ATTRIBUTE = "_llama_guard_result"
 DROP_ATTRIBUTE = "_llama_guard_drop"
 
 
+@dataclass(frozen=True, slots=True)
 class Url:
     """A request's URL with the parts the core reads (as httpx's ``URL`` has them)."""
 
-    __slots__ = ("host", "path", "port", "scheme")
-
-    def __init__(self, scheme: str, host: str, port: int | None, path: str) -> None:
-        self.scheme = scheme
-        self.host = host
-        self.port = port
-        self.path = path
+    scheme: str
+    host: str
+    port: int | None
+    path: str
 
     @property
     def netloc(self) -> bytes:

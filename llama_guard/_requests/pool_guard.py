@@ -29,17 +29,13 @@ from urllib3.util.retry import Retry
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import wants_stream
-from .._core.guard import Guard, GuardAttributes
+from .._core.guard import Guard
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
-from .._core.origins import Origin, OriginRegistry
-from .._core.policy import GuardPolicy
-from .._core.process_state import ProcessState
+from .._core.origins import Origin
 from .._core.request_machine import Begin
 from .._core.request_options import current_options
 from .._core.result import GuardResult
-from .._core.stats import GuardStats
 from .._drive.sync_drive import drive_request
-from .._runtime import PROCESS
 from .attempts import (
     DROP_ATTRIBUTE,
     RESULT_ATTRIBUTE,
@@ -105,41 +101,22 @@ class _PoolHook:
         self.own_get = "_get_conn" in instance
 
 
-class PoolGuard(GuardAttributes):
-    """The guard's state for the pools it hooks: its `Guard` (settings, counters, connection strategies, given-up
-    probes), and the pools.
+class PoolGuard(Guard):
+    """A `Guard` (settings, counters, connection strategies, given-up probes) of the urllib3 pools it hooks.
 
     ``stack``: the name of the stack in the counts per origin (``"requests"``, ``"urllib3"``); ``explicit``: its
     pools are an explicit guard's (`GuardAdapter`), which `install()` leaves alone.
     """
 
-    def __init__(
-        self,
-        *,
-        policy: GuardPolicy,
-        stats: GuardStats,
-        origins: OriginRegistry,
-        stack: str,
-        explicit: bool,
-        process: ProcessState | None = None,
-    ) -> None:
-        self._guard = Guard(
-            policy=policy,
-            stats=stats,
-            origins=origins,
-            stack=stack,
-            process=process if process is not None else PROCESS,
-        )
-        self.STACK = stack  # the name its counts per origin go under
+    __slots__ = ("__weakref__", "_last_retries", "_lock", "_pools", "explicit")
+
+    def __init__(self, *, explicit: bool, **guard: Any) -> None:
+        """``guard``: `Guard`'s arguments."""
+        super().__init__(**guard)
         self.explicit = explicit
         self._last_retries: tuple[Any, bool, Any] | None = None  # (caller's Retry, redirect, what attempts get)
         self._pools: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
-
-    @property
-    def given_up(self) -> Any:
-        """Connections whose probe was given up, watched for a late answer (the guard's)."""
-        return self._guard.given_up
 
     # -- the pools ---------------------------------------------------------------------------------------------
 
@@ -194,11 +171,7 @@ class PoolGuard(GuardAttributes):
                 self.unhook(pool)
 
     def close(self) -> None:
-        self._guard.close()
-
-    def account(self, pool: Any, origin: Origin) -> GuardStats:
-        """The account of ``pool``'s origin in the stats (`GuardStats.of_origin`)."""
-        return self._guard.account(pool.scheme, pool.host, pool.port, origin)
+        super().close()
 
     # -- a request ------------------------------------------------------------------------------------------------
 
@@ -229,7 +202,7 @@ class PoolGuard(GuardAttributes):
         elif content is None:
             content = b""
         view = CallView(pool, call, method)
-        plan = self._guard.plan(
+        plan = self.plan(
             view,
             scheme=pool.scheme,
             host=pool.host,
@@ -295,7 +268,7 @@ class PoolGuard(GuardAttributes):
         ):
             # The first response of an origin in "auto" mode: it just said it is llama-server.
             self.hook(pool)
-            drop_stream(response, self.account(pool, origin))
+            drop_stream(response, self.account(pool.scheme, pool.host, pool.port, origin))
         return response
 
 
