@@ -13,6 +13,7 @@ import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 __all__ = ["COMMANDS", "EXIT_INTERRUPTED", "build_parser", "interrupted", "main"]
 
@@ -46,6 +47,17 @@ def _port(text: str) -> int:
     return _whole(text, "a TCP port, a whole number from 1 to 65535", 1, 65535)
 
 
+#: Parsed arguments that are no command's options: the subcommand's name, and ``-v`` (`main` sets up logging).
+_NOT_OPTIONS = frozenset({"command", "verbose"})
+
+
+def _options(args: argparse.Namespace, **given: Any) -> dict[str, Any]:
+    """A command's options from its parsed arguments: each argument's dest is the name of the option it sets
+    (``--max-tokens`` -> ``max_tokens``), so an argument the options lack is a TypeError, not silently dropped.
+    ``given``: options that are not an argument as parsed (a list made a tuple)."""
+    return {**{name: value for name, value in vars(args).items() if name not in _NOT_OPTIONS}, **given}
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -76,7 +88,7 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 def _command_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(requests=args.requests, clients=args.clients, seconds=args.seconds)
+    return run_demo(**_options(args))
 
 
 # -- doctor -----------------------------------------------------------------------------------------------------
@@ -139,18 +151,7 @@ unreachable, no llama-server found, timeout), 3 nothing found but at least one v
 def _command_doctor(args: argparse.Namespace) -> int:
     from .doctor.command import DoctorOptions, run_doctor
 
-    options = DoctorOptions(
-        url=args.url,
-        requests=args.requests,
-        burst=args.burst,
-        timeout=args.timeout,
-        max_tokens=args.max_tokens,
-        api_key=args.api_key,
-        json=args.json,
-        report=args.report,
-        quiet=args.quiet,
-    )
-    return run_doctor(options)
+    return run_doctor(DoctorOptions(**_options(args)))
 
 
 # -- watch ------------------------------------------------------------------------------------------------------
@@ -172,10 +173,26 @@ every connection whose request sits unread (Recv-Q > 0) for --stall-seconds:
 exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /proc unreadable, no server),
 130 interrupted (Ctrl-C; what was seen so far is still reported).""",
     )
-    watch.add_argument("--pid", type=_positive_int, action="append", default=[], help="watch this process")
-    watch.add_argument("--port", type=_port, action="append", default=[], help="watch the server on this port")
+    # dest: the WatchOptions field each sets (see _options); metavar: what --help shows.
     watch.add_argument(
-        "--watch", type=_positive_float, default=None, metavar="SECONDS", help="sample the sockets for SECONDS"
+        "--pid", type=_positive_int, action="append", default=[], dest="pids", metavar="PID", help="watch this process"
+    )
+    watch.add_argument(
+        "--port",
+        type=_port,
+        action="append",
+        default=[],
+        dest="ports",
+        metavar="PORT",
+        help="watch the server on this port",
+    )
+    watch.add_argument(
+        "--watch",
+        type=_positive_float,
+        default=None,
+        dest="seconds",
+        metavar="SECONDS",
+        help="sample the sockets for SECONDS",
     )
     watch.add_argument(
         "--stall-seconds",
@@ -191,15 +208,7 @@ exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /
 def _command_watch(args: argparse.Namespace) -> int:
     from .watch.command import WatchOptions, run_watch
 
-    options = WatchOptions(
-        pids=tuple(args.pid),
-        ports=tuple(args.port),
-        seconds=args.watch,
-        stall_seconds=args.stall_seconds,
-        interval=args.interval,
-        json=args.json,
-    )
-    return run_watch(options)
+    return run_watch(WatchOptions(**_options(args, pids=tuple(args.pids), ports=tuple(args.ports))))
 
 
 #: name -> (add the parser, run it). Insertion order is the order of ``--help``.

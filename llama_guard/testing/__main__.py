@@ -43,6 +43,11 @@ _int = _number(int, "a whole number")
 _seconds = _number(float, "a number of seconds")
 
 
+#: The arguments that are no setting of the emulator's: --faulty (read by `main`), and the two flags that turn a
+#: defect off (their settings are the negation).
+_NOT_SETTINGS = frozenset({"faulty", "fixed_pool", "keep_streams_open"})
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
@@ -126,23 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.stall_burst = max(FAULTY_STALL_BURST, args.http_threads + 1)
     if args.stream_close is None:
         args.stream_close = "after_delay"
+    # Every other argument is the emulator's setting of the same name (an unknown one is a TypeError, never lost).
+    settings = {name: value for name, value in vars(args).items() if name not in _NOT_SETTINGS}
     try:
         emulator = LlamaServerEmulator(
-            host=args.host,
-            port=args.port,
-            http_threads=args.http_threads,
-            max_http_threads=args.max_http_threads,
+            **settings,
             pool_bug=not args.fixed_pool,
-            wakeup_latency=args.wakeup_latency,
             close_after_stream=not args.keep_streams_open,
-            stream_close=args.stream_close,
-            stream_close_delay=args.stream_close_delay,
-            stall_burst=args.stall_burst,
-            parallel=args.parallel,
-            token_interval=args.token_interval,
-            n_tokens=args.n_tokens,
-            keepalive_timeout=args.keepalive_timeout,
-            loading=args.loading,
             # A fixed pool is what builds from b11737 on have: say so, as a real server would in /props.
             build=f"b{FIRST_FIXED_BUILD}-emulated" if args.fixed_pool else "b11434-emulated",
         )

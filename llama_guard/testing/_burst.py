@@ -19,8 +19,7 @@ import select
 import socket
 import ssl
 import threading
-import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import anyio
@@ -28,6 +27,7 @@ import httpcore
 import httpx
 
 from .._burst import open_burst
+from ._backends import WrappingBackend
 
 __all__ = ["AsyncPreopenedBackend", "PreopenedBackend", "async_burst_transport", "burst_transport", "open_burst"]
 
@@ -48,27 +48,30 @@ class _Handout:
             sock.close()
 
 
+@contextlib.contextmanager
+def _as_httpcore_errors(timeout_error: type[Exception], error: type[Exception]) -> Iterator[None]:
+    """A socket's errors as httpcore's: a timeout as ``timeout_error``, any other OSError as ``error``."""
+    try:
+        yield
+    except TimeoutError as exc:  # anyio's fail_after raises it with no message; the socket's says "timed out"
+        raise timeout_error(str(exc) or "timed out") from exc
+    except OSError as exc:
+        raise error(str(exc)) from exc
+
+
 class _SyncSocketStream(httpcore.NetworkStream):
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
 
     def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
         self._sock.settimeout(timeout)
-        try:
+        with _as_httpcore_errors(httpcore.ReadTimeout, httpcore.ReadError):
             return self._sock.recv(max_bytes)
-        except TimeoutError as exc:
-            raise httpcore.ReadTimeout(str(exc)) from exc
-        except OSError as exc:
-            raise httpcore.ReadError(str(exc)) from exc
 
     def write(self, buffer: bytes, timeout: float | None = None) -> None:
         self._sock.settimeout(timeout)
-        try:
+        with _as_httpcore_errors(httpcore.WriteTimeout, httpcore.WriteError):
             self._sock.sendall(buffer)
-        except TimeoutError as exc:
-            raise httpcore.WriteTimeout(str(exc)) from exc
-        except OSError as exc:
-            raise httpcore.WriteError(str(exc)) from exc
 
     def close(self) -> None:
         self._sock.close()
@@ -100,31 +103,21 @@ class _AsyncSocketStream(httpcore.AsyncNetworkStream):
         self._sock = sock
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            with anyio.fail_after(timeout):
-                while True:
-                    try:
-                        return self._sock.recv(max_bytes)
-                    except BlockingIOError:
-                        await anyio.wait_readable(self._sock)
-        except TimeoutError as exc:
-            raise httpcore.ReadTimeout("timed out") from exc
-        except OSError as exc:
-            raise httpcore.ReadError(str(exc)) from exc
+        with _as_httpcore_errors(httpcore.ReadTimeout, httpcore.ReadError), anyio.fail_after(timeout):
+            while True:
+                try:
+                    return self._sock.recv(max_bytes)
+                except BlockingIOError:
+                    await anyio.wait_readable(self._sock)
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         view = memoryview(buffer)
-        try:
-            with anyio.fail_after(timeout):
-                while view:
-                    try:
-                        view = view[self._sock.send(view) :]
-                    except BlockingIOError:
-                        await anyio.wait_writable(self._sock)
-        except TimeoutError as exc:
-            raise httpcore.WriteTimeout("timed out") from exc
-        except OSError as exc:
-            raise httpcore.WriteError(str(exc)) from exc
+        with _as_httpcore_errors(httpcore.WriteTimeout, httpcore.WriteError), anyio.fail_after(timeout):
+            while view:
+                try:
+                    view = view[self._sock.send(view) :]
+                except BlockingIOError:
+                    await anyio.wait_writable(self._sock)
 
     async def aclose(self) -> None:
         with contextlib.suppress(OSError):
@@ -152,28 +145,16 @@ def _extra_info(sock: socket.socket, info: str) -> Any:
     return None
 
 
-class PreopenedBackend(httpcore.NetworkBackend):
+class PreopenedBackend(WrappingBackend):
     """Hands out pre-opened sockets as new connections, then connects for real."""
 
     def __init__(self, sockets: Iterable[socket.socket]) -> None:
+        super().__init__()
         self._handout = _Handout(sockets)
-        self._fallback = httpcore.SyncBackend()
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
+    def _open(self, connect: Callable[[], httpcore.NetworkStream]) -> httpcore.NetworkStream:
         sock = self._handout.take()
-        if sock is None:
-            return self._fallback.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _SyncSocketStream(sock)
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
+        return connect() if sock is None else _SyncSocketStream(sock)
 
     def close_unused(self) -> None:
         self._handout.close_unused()

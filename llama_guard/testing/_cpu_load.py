@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
+
+from ._lifecycle import StartStop, spawn_watcher
 
 __all__ = ["CpuHogs", "pin_process"]
 
-# Spins; every ~10 ms checks that the process that started it (argv[1]) is still its parent, else exits. The pid
-# is passed, not read at start: a parent killed before the child's interpreter is up would be missed.
+# Spins; every ~10 ms checks that the process that started it (argv[1], see `spawn_watcher`) is still its parent,
+# else exits.
 _HOG = """\
 import os, sys
 parent = int(sys.argv[1])
@@ -58,7 +58,7 @@ def pin_process(pid: int, cpus: Iterable[int], *, batch: bool = False) -> None:
                 os.sched_setscheduler(int(task.name), os.SCHED_BATCH, os.sched_param(0))
 
 
-class CpuHogs:
+class CpuHogs(StartStop):
     """``count`` CPU-bound processes, spinning from the return of :meth:`start` (or ``with``) until :meth:`stop`.
 
     ``cpus``: pin every hog to these CPUs (default: wherever the scheduler puts them). :meth:`stop` kills and
@@ -79,12 +79,7 @@ class CpuHogs:
             raise RuntimeError("CPU hogs already started")
         try:
             for _ in range(self.count):
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", _HOG, str(os.getpid())],
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                )
+                proc = spawn_watcher(_HOG, stdout=subprocess.PIPE)
                 self._procs.append(proc)
                 if self.cpus is not None:
                     pin_process(proc.pid, self.cpus)
@@ -116,17 +111,6 @@ class CpuHogs:
             proc.wait()
             if proc.stdout is not None:
                 proc.stdout.close()
-
-    def __enter__(self) -> CpuHogs:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         where = "" if self.cpus is None else f" on CPUs {sorted(self.cpus)}"

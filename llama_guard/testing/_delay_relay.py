@@ -39,11 +39,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
-from types import TracebackType
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import httpcore
+
+from ._backends import WrappingBackend
+from ._lifecycle import StartStop, end_process
 
 __all__ = ["ConnectDelayBackend", "DelayRelay", "DelayRelayProcess", "RelayStats"]
 
@@ -246,26 +248,19 @@ class _Pair:
             self.close()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for transport in (self.client, self.upstream):
-            if transport is not None:
-                transport.close()
-        self._forget()
+        self._end(lambda transport: transport.close())
 
     def reset(self) -> None:
+        self._end(_reset)
+
+    def _end(self, end: Callable[[asyncio.Transport], None]) -> None:
+        """End both connections the same way (``close`` or ``reset``), once."""
         if self.closed:
             return
         self.closed = True
         for transport in (self.client, self.upstream):
             if transport is not None:
-                # abort() alone closes with a FIN; a reset is passed on as a reset (SO_LINGER 0: RST on close).
-                sock = transport.get_extra_info("socket")
-                if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                transport.abort()
+                end(transport)
         self._forget()
 
     def _forget(self) -> None:
@@ -277,7 +272,16 @@ class _Pair:
         self.relay._pairs.discard(self)
 
 
-class DelayRelay:
+def _reset(transport: asyncio.Transport) -> None:
+    # abort() alone closes with a FIN; a reset is passed on as a reset (SO_LINGER 0: RST on close).
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class DelayRelay(StartStop):
     """A TCP relay from ``host:port`` to ``upstream`` adding ``delay`` seconds each way (round trip ``2 x delay``),
     and one extra round trip before a new connection's first byte (``handshake``). See the module docstring.
 
@@ -402,14 +406,6 @@ class DelayRelay:
         self._loop = None
         self._thread = None
 
-    def __enter__(self) -> DelayRelay:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         return f"DelayRelay({self.host}:{self._port} -> {self.upstream[0]}:{self.upstream[1]}, delay={self.delay})"
 
@@ -432,7 +428,7 @@ class _Accepted(_Side):
         self.pair.client_made(transport)
 
 
-class ConnectDelayBackend(httpcore.NetworkBackend):
+class ConnectDelayBackend(WrappingBackend):
     """An httpcore network backend whose TCP connects take a round trip (``seconds``), as on a network: half of it
     before the connect, half after. Through a relay the kernel completes a client's connect at once, so a client
     that times its connects (the guard's ``connection="auto"``) would see a new connection as free; give its
@@ -441,19 +437,12 @@ class ConnectDelayBackend(httpcore.NetworkBackend):
     the round trip when a client takes one, as if it had connected then)."""
 
     def __init__(self, seconds: float, backend: httpcore.NetworkBackend | None = None) -> None:
+        super().__init__(backend)
         self.seconds = seconds
-        self._backend = backend or httpcore.SyncBackend()
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
+    def _open(self, connect: Callable[[], httpcore.NetworkStream]) -> httpcore.NetworkStream:
         time.sleep(self.seconds / 2)
-        stream = self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        stream = connect()
         time.sleep(self.seconds / 2)
         return stream
 
@@ -462,11 +451,8 @@ class ConnectDelayBackend(httpcore.NetworkBackend):
     ) -> httpcore.NetworkStream:
         return self._backend.connect_unix_socket(path, timeout, socket_options)
 
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
 
-
-class DelayRelayProcess:
+class DelayRelayProcess(StartStop):
     """The same relay in a child process, so it keeps its timing beside a busy client process.
 
     ``with DelayRelayProcess(upstream, delay=0.001) as relay: relay.port``. The child exits when this process
@@ -517,26 +503,14 @@ class DelayRelayProcess:
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None:
-            return
-        if process.stdin is not None:
-            with contextlib.suppress(OSError):
-                process.stdin.close()
-        try:
-            process.wait(timeout=10.0)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        if process.stdout is not None:
-            process.stdout.close()
+        if process is not None:  # the child exits when its standard input closes (see `main`)
+            end_process(process, ask=_close_stdin, grace=10.0)
 
-    def __enter__(self) -> DelayRelayProcess:
-        return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+def _close_stdin(process: subprocess.Popen[str]) -> None:
+    if process.stdin is not None:
+        with contextlib.suppress(OSError):
+            process.stdin.close()
 
 
 def _split(address: str) -> tuple[str, int]:

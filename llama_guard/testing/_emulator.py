@@ -48,6 +48,7 @@ from ._config import EmulatorConfig
 from ._faults import Fault, FaultInjector, FaultRule
 from ._handler import ServerContext, serve_connection
 from ._httplib_pool import HttplibThreadPool
+from ._lifecycle import StartStop
 from ._slots import SlotPool
 from ._stall_gate import StallGate
 from ._stats import ConnectionWait, EmulatorStats, LiveView, StatsRecorder
@@ -97,7 +98,7 @@ class _QueuedConnection:
         self.emulator._run_connection(self)
 
 
-class LlamaServerEmulator:
+class LlamaServerEmulator(StartStop):
     """A controllable llama-server (b11434) look-alike on 127.0.0.1.
 
     Use it as a context manager (``with``/``async with``) or call
@@ -353,17 +354,6 @@ class LlamaServerEmulator:
         with self._state_lock:
             self._state = "stopped"
 
-    def __enter__(self: _E) -> _E:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     async def __aenter__(self: _E) -> _E:
         return self.start()  # binding and spawning threads does not block
 
@@ -451,7 +441,7 @@ class LlamaServerEmulator:
         with self._conn_lock:
             jobs = self._gate.release(count)
         for job in jobs:
-            self._stats.stalled_released(by_call=True)
+            self._stats.count("stalled_released_by_call")
             self._enqueue(job)
         return len(jobs)
 
@@ -512,16 +502,16 @@ class LlamaServerEmulator:
             stalled_unread = sum(1 for job in stalled if pending_bytes(job.sock) > 0)
         pool = self._pool.counters() if self._pool is not None else None
         return LiveView(
-            queued=len(queued),
-            queued_unread=unread,
+            connections_queued=len(queued),
+            connections_queued_unread=unread,
             oldest_queued_wait=oldest,
             pool_threads=0 if pool is None else pool.base_threads + pool.dynamic_threads,
             pool_dynamic_spawned=0 if pool is None else pool.dynamic_spawned,
             pool_peak_threads=0 if pool is None else pool.peak_threads,
             slots_busy=self._slots.busy(),
             slots_waiting=self._slots.waiting(),
-            stalled_now=len(stalled),
-            stalled_unread=stalled_unread,
+            connections_stalled_now=len(stalled),
+            connections_stalled_unread=stalled_unread,
         )
 
     # -- accept loop (its own thread) ---------------------------------------------------------
@@ -558,7 +548,7 @@ class LlamaServerEmulator:
                 for item in parked:
                     item.sock.close()
             for _ in parked:
-                self._stats.connection_closed()
+                self._stats.count("connections_closed")
             listener.close()
 
     def _on_accept(self, sock: socket.socket) -> None:
@@ -568,13 +558,13 @@ class LlamaServerEmulator:
         # a stream_close_delay below that would hide the race instead of widening it.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn_id = next(self._conn_ids)
-        self._stats.connection_accepted()
+        self._stats.count("connections_accepted")
         rule = self._faults.take_connection_fault()
         if rule is not None:
             self._stats.fault(rule.fault)
             if rule.fault is Fault.RESET_BEFORE_READ:
                 reset_socket(sock)
-                self._stats.connection_closed()
+                self._stats.count("connections_closed")
                 return
             now = time.monotonic()
             wait = rule.params["after"] if rule.fault is Fault.READ_LATE else rule.params["hold"]
@@ -595,12 +585,12 @@ class LlamaServerEmulator:
             if served is not job:
                 self._queued[job.conn_id] = job  # waiting for a thread, as far as stats and stop() are concerned
         if began:
-            self._stats.stall_burst_begun()
+            self._stats.count("stall_bursts")
         if served is not job:
-            self._stats.connection_stalled()
+            self._stats.count("connections_stalled")
         if served is not None:
             if served is not job:  # stall_oldest_first: the thread this connection spawned serves the oldest one
-                self._stats.stalled_released(by_call=False)
+                self._stats.count("stalled_released_by_close")
             self._enqueue(served)
 
     def _enqueue(self, job: _QueuedConnection) -> None:
@@ -613,7 +603,7 @@ class LlamaServerEmulator:
                 mine = self._queued.pop(job.conn_id, None) is not None  # else stop() closed and counted it
                 job.sock.close()
             if mine:
-                self._stats.connection_closed()
+                self._stats.count("connections_closed")
 
     def _park_timeout(self) -> float | None:
         with self._conn_lock:
@@ -641,7 +631,7 @@ class LlamaServerEmulator:
             else:
                 with self._conn_lock:
                     item.sock.close()
-                self._stats.connection_closed()
+                self._stats.count("connections_closed")
 
     # -- pool jobs ------------------------------------------------------------------------
 
@@ -662,7 +652,7 @@ class LlamaServerEmulator:
             self._active[job.conn_id] = wire
         waited = time.monotonic() - job.accepted_at
         self._stats.wait(ConnectionWait(job.conn_id, waited, unread, served=True))
-        self._stats.connection_active(+1)
+        self._stats.count("connections_active", +1)
         try:
             serve_connection(self._ctx, wire)
         except Exception:  # a bug must not kill a pool thread
@@ -672,11 +662,11 @@ class LlamaServerEmulator:
                 self._active.pop(job.conn_id, None)
                 wire.close()
                 freed_for = self._gate.finished() if job.gated and self._gate is not None else None
-            self._stats.connection_active(-1)
-            self._stats.connection_closed()
+            self._stats.count("connections_active", -1)
+            self._stats.count("connections_closed")
             if freed_for is not None and not self._stop_event.is_set():
                 # This thread is free again: it takes the oldest stalled connection, as cpp-httplib's worker does.
-                self._stats.stalled_released(by_call=False)
+                self._stats.count("stalled_released_by_close")
                 self._enqueue(freed_for)
 
     def _abandon_queued(self) -> None:
@@ -693,7 +683,7 @@ class LlamaServerEmulator:
                 job.sock.close()
         for record in records:
             self._stats.wait(record)
-            self._stats.connection_closed()
+            self._stats.count("connections_closed")
 
     def _loading_state(self) -> tuple[bool, str | None]:
         with self._state_lock:

@@ -23,8 +23,8 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import NoReturn
+from dataclasses import KW_ONLY, dataclass, field, replace
+from typing import Any, NoReturn
 
 import h11
 
@@ -243,13 +243,14 @@ class _Responder:
 _MID_STREAM_FAULTS = frozenset({Fault.RESET_MID_STREAM, Fault.BODY_STALL, Fault.TRUNCATED_CHUNK})
 
 
+@dataclass(frozen=True, slots=True)
 class _Exchange:
     """One request/response cycle (cpp-httplib's ``Server::process_request``)."""
 
-    def __init__(self, ctx: ServerContext, wire: Wire, *, close_connection: bool) -> None:
-        self.ctx = ctx
-        self.wire = wire
-        self.close_connection = close_connection
+    ctx: ServerContext
+    wire: Wire
+    _: KW_ONLY
+    close_connection: bool
 
     def run(self, buffered: bytes) -> tuple[bool, bytes]:
         """Serve one request; return (keep the connection?, unread bytes)."""
@@ -374,14 +375,24 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _ErrorAnswer(Exception):
+    """Raised by a route's helper: answer the request with llama-server's error body instead."""
+
+    def __init__(self, code: int, message: str, error_type: str) -> None:
+        super().__init__(code, message, error_type)
+        self.code = code
+        self.message = message
+        self.error_type = error_type
+
+
+@dataclass(frozen=True, slots=True)
 class _Router:
     """llama-server's pre-routing middleware and route table."""
 
-    def __init__(self, ctx: ServerContext, wire: Wire, request: Request, responder: _Responder) -> None:
-        self.ctx = ctx
-        self.wire = wire
-        self.request = request
-        self.responder = responder
+    ctx: ServerContext
+    wire: Wire
+    request: Request
+    responder: _Responder
 
     def dispatch(self) -> bool:
         """Serve the request; False when the connection must close."""
@@ -410,7 +421,10 @@ class _Router:
             body = R.error_body(404, "File Not Found", "not_found_error")
             self.responder.send_full(404, body)
             return True
-        return route(self)
+        try:
+            return route(self)
+        except _ErrorAnswer as answer:
+            return self._error(answer.code, answer.message, answer.error_type)
 
     # -- simple endpoints ----------------------------------------------------------
 
@@ -446,10 +460,7 @@ class _Router:
     def apply_lora_adapters(self) -> bool:
         """``POST /lora-adapters``: set adapter scales. Not inference: it changes the server's state, so it is the
         emulator's non-idempotent, non-inference endpoint. With no adapter loaded only ``[]`` is valid."""
-        try:
-            body = json.loads(self.request.body or b"null")
-        except ValueError as exc:
-            return self._error(500, f"[json.exception.parse_error.101] {exc}", "server_error")
+        body = self._json_body()
         if not isinstance(body, list):
             return self._error(400, "Request body must be an array", "invalid_request_error")
         if body:
@@ -472,11 +483,16 @@ class _Router:
         self.responder.send_full(code, R.error_body(code, message, error_type))
         return True
 
-    def _completion(self, kind: str) -> bool:
+    def _json_body(self) -> Any:
+        """The request's body as JSON (none: null). Not JSON: llama-server answers 500 with nlohmann's parse error,
+        raised as `_ErrorAnswer` for `dispatch` to send."""
         try:
-            body = json.loads(self.request.body or b"null")
+            return json.loads(self.request.body or b"null")
         except ValueError as exc:
-            return self._error(500, f"[json.exception.parse_error.101] {exc}", "server_error")
+            raise _ErrorAnswer(500, f"[json.exception.parse_error.101] {exc}", "server_error") from exc
+
+    def _completion(self, kind: str) -> bool:
+        body = self._json_body()
         if not isinstance(body, dict):
             return self._error(400, "request body must be a JSON object", "invalid_request_error")
         if kind == "chat" and not isinstance(body.get("messages"), list):
@@ -504,7 +520,7 @@ class _Router:
         slot_id, _task_id = acquired
         completion = replace(completion, slot_id=slot_id)
         run = _InferenceRun(self.ctx, self.wire, slot_id)
-        self.ctx.stats.completion_started()
+        self.ctx.stats.count("completions_started")
         try:
             if completion.stream:
                 return self._stream(completion, run)
@@ -542,7 +558,7 @@ class _Router:
         # Defect 1: the provider returned false after sink.done(); cpp-httplib
         # closes the socket right away, whatever the head announced.
         if self.responder.announced_keep_alive:
-            self.ctx.stats.stream_closed_after_done()
+            self.ctx.stats.count("streams_closed_after_done")
             if self.ctx.config.stream_close == "on_reuse":
                 self._give_up_on_reuse()
                 return False
@@ -557,7 +573,7 @@ class _Router:
             return
         if self.wire.peer_closed():
             return
-        self.ctx.stats.request_dropped_after_stream()
+        self.ctx.stats.count("requests_dropped_after_stream")
         # Read the whole request (and throw it away) before closing: the close is then a FIN with nothing unread,
         # so the client has written all of it and sees "disconnected without a response", never a half-written
         # body (which some clients report differently, e.g. trio's unfinished body generator).
@@ -618,12 +634,12 @@ class _InferenceRun:
 
     def finish(self) -> None:
         self.finished = True
-        self.ctx.stats.completion_finished()
+        self.ctx.stats.count("completions_finished")
         self._release()
 
     def end(self) -> None:
         if not self.finished:
-            self.ctx.stats.completion_cancelled()
+            self.ctx.stats.count("completions_cancelled")
         self._release()
 
     def _release(self) -> None:

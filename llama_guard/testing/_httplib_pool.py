@@ -82,6 +82,9 @@ class PoolCounters:
     peak_threads: int
 
 
+# The settings are the fields (keyword-only); the mutable state is made in __post_init__. eq=False: a pool is
+# equal only to itself (and stays hashable).
+@dataclass(eq=False, kw_only=True)
 class HttplibThreadPool:
     """cpp-httplib's ``ThreadPool`` with the idle-counter bug switchable.
 
@@ -89,27 +92,17 @@ class HttplibThreadPool:
     on shutdown, so ``shutdown`` stays bounded in time.
     """
 
-    def __init__(
-        self,
-        *,
-        base_threads: int,
-        max_threads: int,
-        idle_counter_bug: bool,
-        wakeup_latency: float,
-        stop_event: threading.Event,
-        name: str = "llama-http",
-        dynamic_idle_timeout: float = DYNAMIC_IDLE_TIMEOUT,
-    ) -> None:
-        if max_threads < base_threads:
-            raise ValueError("max_threads must be >= base_threads")
-        self._base_count = base_threads
-        self._max_count = max_threads
-        self._bug = idle_counter_bug
-        self._latency = wakeup_latency
-        self._stop_event = stop_event
-        self._name = name
-        self._dynamic_idle_timeout = dynamic_idle_timeout
+    base_threads: int
+    max_threads: int
+    idle_counter_bug: bool
+    wakeup_latency: float
+    stop_event: threading.Event
+    name: str = "llama-http"
+    dynamic_idle_timeout: float = DYNAMIC_IDLE_TIMEOUT
 
+    def __post_init__(self) -> None:
+        if self.max_threads < self.base_threads:
+            raise ValueError("max_threads must be >= base_threads")
         self._mutex = threading.Lock()
         self._cond = threading.Condition(self._mutex)
         self._jobs: collections.deque[Job] = collections.deque()
@@ -130,15 +123,8 @@ class HttplibThreadPool:
             if self._started:
                 raise RuntimeError("pool already started")
             self._started = True
-            for index in range(self._base_count):
-                thread = threading.Thread(
-                    target=self._worker,
-                    args=(False,),
-                    name=f"{self._name}-{index}",
-                    daemon=True,
-                )
-                self._threads.append(thread)
-                thread.start()
+            for index in range(self.base_threads):
+                self._start_worker_locked(dynamic=False, name=f"{self.name}-{index}")
             self._peak = len(self._threads)
 
     def enqueue(self, job: Job) -> bool:
@@ -148,8 +134,8 @@ class HttplibThreadPool:
                 return False
             self._jobs.append(job)
             total = len(self._threads) + len(self._dynamic)
-            needs_thread = self._idle == 0 if self._bug else len(self._jobs) > self._idle
-            if needs_thread and total < self._max_count:
+            needs_thread = self._idle == 0 if self.idle_counter_bug else len(self._jobs) > self._idle
+            if needs_thread and total < self.max_threads:
                 self._cleanup_finished_locked()
                 self._spawn_dynamic_locked()
             # C++ notifies just after unlocking; Python insists on holding the
@@ -202,14 +188,12 @@ class HttplibThreadPool:
 
     def _spawn_dynamic_locked(self) -> None:
         self._spawned += 1
-        thread = threading.Thread(
-            target=self._worker,
-            args=(True,),
-            name=f"{self._name}-dyn{self._spawned}",
-            daemon=True,
-        )
-        self._dynamic.append(thread)
+        self._start_worker_locked(dynamic=True, name=f"{self.name}-dyn{self._spawned}")
         self._peak = max(self._peak, len(self._threads) + len(self._dynamic))
+
+    def _start_worker_locked(self, *, dynamic: bool, name: str) -> None:
+        thread = threading.Thread(target=self._worker, args=(dynamic,), name=name, daemon=True)
+        (self._dynamic if dynamic else self._threads).append(thread)
         thread.start()
 
     def _cleanup_finished_locked(self) -> None:
@@ -234,7 +218,7 @@ class HttplibThreadPool:
         simulated wake-up latency is spent *outside* the mutex, as a sleeping
         OS thread does not hold it either.
         """
-        deadline = time.monotonic() + self._dynamic_idle_timeout
+        deadline = time.monotonic() + self.dynamic_idle_timeout
         while True:
             if self._has_work():
                 # The predicate already holds: C++'s cond_.wait(lock, pred) returns at once, with no sleep and so
@@ -246,11 +230,11 @@ class HttplibThreadPool:
                     return False
             else:
                 self._cond.wait_for(self._has_work)
-            if self._latency <= 0.0 or self._shutdown:
+            if self.wakeup_latency <= 0.0 or self._shutdown:
                 return True
             self._mutex.release()
             try:
-                self._stop_event.wait(self._latency)
+                self.stop_event.wait(self.wakeup_latency)
             finally:
                 self._mutex.acquire()
             if self._has_work():
@@ -259,10 +243,10 @@ class HttplibThreadPool:
             # sleep, still idle -- exactly what a spurious C++ wake-up does.
 
     def _worker(self, is_dynamic: bool) -> None:
-        if is_dynamic and self._latency > 0.0:
+        if is_dynamic and self.wakeup_latency > 0.0:
             # Thread creation is not free either; until the new thread runs it
             # is not idle, so further enqueues may spawn more (as in C++).
-            self._stop_event.wait(self._latency)
+            self.stop_event.wait(self.wakeup_latency)
         while True:
             with self._mutex:
                 self._idle += 1

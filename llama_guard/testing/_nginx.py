@@ -33,8 +33,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from types import TracebackType
+from typing import Any
 
+from ._lifecycle import StartStop, end_process
 from ._real_server import free_port
 
 __all__ = ["NginxFront", "find_nginx", "self_signed_certificate"]
@@ -88,7 +89,7 @@ def self_signed_certificate(folder: Path, addresses: Sequence[str] = ("127.0.0.1
     return cert, key
 
 
-class NginxFront:
+class NginxFront(StartStop):
     """nginx in front of ``upstream`` (see the module docstring); ``folder``: where its prefix goes (a temporary
     one by default, removed by :meth:`stop`). ``addresses``: the IPs the certificate must be valid for (the client
     may reach nginx through a relay on another address). ``stream=False`` leaves out the TLS-over-TCP front."""
@@ -222,23 +223,11 @@ http {{
         """Stop nginx (SIGTERM, then SIGKILL to its process group after 5 s); remove its folder if made here."""
         process, self._process = self._process, None
         if process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            if process.stderr is not None:
-                process.stderr.close()
+            end_process(process, grace=5.0, kill=_kill_group)
         if self._own_folder:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    def __enter__(self) -> NginxFront:
-        return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+def _kill_group(process: subprocess.Popen[Any]) -> None:
+    # nginx runs in a session of its own (start_new_session): SIGKILL its workers with the master.
+    os.killpg(process.pid, signal.SIGKILL)

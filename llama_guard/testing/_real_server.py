@@ -26,18 +26,16 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO
 
 from ._cpu_load import pin_process
+from ._lifecycle import StartStop, end_process, spawn_watcher
 
 __all__ = [
     "LLAMA_SERVER_BUILD",
@@ -142,7 +140,7 @@ except ProcessLookupError:
 """
 
 
-class RealLlamaServer:
+class RealLlamaServer(StartStop):
     """A fresh ``llama-server`` subprocess on a free 127.0.0.1 port.
 
     ``start()`` (or ``with``) launches it and waits, at most
@@ -270,13 +268,8 @@ class RealLlamaServer:
     def _watch_for_orphaning(self) -> None:
         """Start the watchdog that kills the server if this process dies without stopping it (`_WATCHDOG`)."""
         assert self._proc is not None
-        self._watchdog = subprocess.Popen(
-            [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(self._proc.pid)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a Ctrl-C in the terminal must not end it before the server is stopped
-        )
+        # A session of its own: a Ctrl-C in the terminal must not end it before the server is stopped.
+        self._watchdog = spawn_watcher(_WATCHDOG, str(self._proc.pid), new_session=True)
 
     def _launch(self) -> None:
         self._log_file = self.log_path.open("ab")
@@ -335,22 +328,10 @@ class RealLlamaServer:
         proc, self._proc = self._proc, None
         watchdog, self._watchdog = self._watchdog, None
         if watchdog is not None:  # first, so that it never outlives the server it names
-            with contextlib.suppress(ProcessLookupError):
-                watchdog.kill()
-            watchdog.wait()
+            end_process(watchdog, ask=subprocess.Popen.kill, grace=None)
         code: int | None = None
         if proc is not None:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=self.stop_timeout)
-                except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=self.stop_timeout)
-            code = proc.returncode
+            code = end_process(proc, grace=self.stop_timeout, reap_timeout=self.stop_timeout)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -363,17 +344,6 @@ class RealLlamaServer:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
-
-    def __enter__(self) -> RealLlamaServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -11,9 +11,11 @@ a deadline instead of sleeping.
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
 
 from ._faults import Fault
 
@@ -112,6 +114,23 @@ class EmulatorStats:
         return sum(1 for waited in self.unread_waits if waited >= threshold)
 
 
+#: The plain counts of `_Counters` (`StatsRecorder.count` takes one), each named as its `EmulatorStats` field.
+Count = Literal[
+    "completions_started",
+    "completions_finished",
+    "completions_cancelled",
+    "connections_accepted",
+    "connections_closed",
+    "connections_active",
+    "streams_closed_after_done",
+    "requests_dropped_after_stream",
+    "stall_bursts",
+    "connections_stalled",
+    "stalled_released_by_call",
+    "stalled_released_by_close",
+]
+
+
 @dataclass
 class _Counters:
     requests: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
@@ -135,18 +154,24 @@ class _Counters:
 
 @dataclass(frozen=True)
 class LiveView:
-    """Values the emulator computes at snapshot time (not stored counters)."""
+    """Values the emulator computes at snapshot time (not stored counters), named as in `EmulatorStats`."""
 
-    queued: int = 0
-    queued_unread: int = 0
+    connections_queued: int = 0
+    connections_queued_unread: int = 0
     oldest_queued_wait: float = 0.0
     pool_threads: int = 0
     pool_dynamic_spawned: int = 0
     pool_peak_threads: int = 0
     slots_busy: int = 0
     slots_waiting: int = 0
-    stalled_now: int = 0
-    stalled_unread: int = 0
+    connections_stalled_now: int = 0
+    connections_stalled_unread: int = 0
+
+
+def _numbers(record: _Counters | LiveView) -> dict[str, Any]:
+    """The int and float fields of ``record`` by name: each is the `EmulatorStats` field of the same name."""
+    values = {item.name: getattr(record, item.name) for item in fields(record)}
+    return {name: value for name, value in values.items() if isinstance(value, (int, float))}
 
 
 class StatsRecorder:
@@ -156,76 +181,43 @@ class StatsRecorder:
         self.changed = threading.Condition()
         self._c = _Counters()
 
-    def _bump(self, name: str, delta: int = 1) -> None:
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[_Counters]:
+        """The counters, to change under the lock; whoever waits on ``changed`` hears of it once it is made."""
         with self.changed:
-            setattr(self._c, name, getattr(self._c, name) + delta)
+            yield self._c
             self.changed.notify_all()
+
+    def count(self, name: Count, delta: int = 1) -> None:
+        """Add ``delta`` (1, or -1 for the ``connections_active`` gauge) to the count ``name``."""
+        with self._change() as c:
+            setattr(c, name, getattr(c, name) + delta)
 
     def request(self, method: str, path: str) -> None:
-        with self.changed:
-            self._c.requests[(method, path)] += 1
-            self.changed.notify_all()
+        with self._change() as c:
+            c.requests[(method, path)] += 1
 
     def response(self, status: int) -> None:
-        with self.changed:
-            self._c.responses[status] += 1
-            self.changed.notify_all()
+        with self._change() as c:
+            c.responses[status] += 1
 
     def fault(self, fault: Fault) -> None:
-        with self.changed:
-            self._c.faults[fault] += 1
-            self.changed.notify_all()
+        with self._change() as c:
+            c.faults[fault] += 1
 
     def wait(self, record: ConnectionWait) -> None:
-        with self.changed:
-            self._c.waits.append(record)
-            self.changed.notify_all()
+        with self._change() as c:
+            c.waits.append(record)
 
     def error(self, description: str) -> None:
         """An unexpected exception inside the emulator (a bug, not a fault)."""
-        with self.changed:
-            self._c.errors.append(description)
-            self.changed.notify_all()
-
-    def completion_started(self) -> None:
-        self._bump("completions_started")
-
-    def completion_finished(self) -> None:
-        self._bump("completions_finished")
-
-    def completion_cancelled(self) -> None:
-        self._bump("completions_cancelled")
-
-    def connection_accepted(self) -> None:
-        self._bump("connections_accepted")
-
-    def connection_closed(self) -> None:
-        self._bump("connections_closed")
-
-    def connection_active(self, delta: int) -> None:
-        self._bump("connections_active", delta)
-
-    def stream_closed_after_done(self) -> None:
-        self._bump("streams_closed_after_done")
-
-    def request_dropped_after_stream(self) -> None:
-        self._bump("requests_dropped_after_stream")
-
-    def stall_burst_begun(self) -> None:
-        self._bump("stall_bursts")
-
-    def connection_stalled(self) -> None:
-        self._bump("connections_stalled")
-
-    def stalled_released(self, *, by_call: bool) -> None:
-        self._bump("stalled_released_by_call" if by_call else "stalled_released_by_close")
+        with self._change() as c:
+            c.errors.append(description)
 
     def reset(self) -> None:
         """Zero every counter except ``connections_active`` (a live gauge)."""
-        with self.changed:
-            active = self._c.connections_active
-            self._c = _Counters(connections_active=active)
-            self.changed.notify_all()
+        with self._change() as c:
+            self._c = _Counters(connections_active=c.connections_active)
 
     def snapshot_and_reset(self, live: LiveView) -> EmulatorStats:
         """Atomically take a snapshot and zero the counters."""
@@ -237,32 +229,13 @@ class StatsRecorder:
     def snapshot(self, live: LiveView) -> EmulatorStats:
         with self.changed:
             c = self._c
+            # The counts go by name (a count added to both classes needs no line here); the collections are copied.
             return EmulatorStats(
                 requests=dict(c.requests),
                 responses=dict(c.responses),
-                completions_started=c.completions_started,
-                completions_finished=c.completions_finished,
-                completions_cancelled=c.completions_cancelled,
-                connections_accepted=c.connections_accepted,
-                connections_closed=c.connections_closed,
-                connections_active=c.connections_active,
-                connections_queued=live.queued,
-                connections_queued_unread=live.queued_unread,
-                oldest_queued_wait=live.oldest_queued_wait,
-                connection_waits=tuple(c.waits),
-                streams_closed_after_done=c.streams_closed_after_done,
                 faults_triggered=dict(c.faults),
-                pool_threads=live.pool_threads,
-                pool_dynamic_spawned=live.pool_dynamic_spawned,
-                pool_peak_threads=live.pool_peak_threads,
-                slots_busy=live.slots_busy,
-                slots_waiting=live.slots_waiting,
+                connection_waits=tuple(c.waits),
                 errors=tuple(c.errors),
-                requests_dropped_after_stream=c.requests_dropped_after_stream,
-                stall_bursts=c.stall_bursts,
-                connections_stalled=c.connections_stalled,
-                stalled_released_by_call=c.stalled_released_by_call,
-                stalled_released_by_close=c.stalled_released_by_close,
-                connections_stalled_now=live.stalled_now,
-                connections_stalled_unread=live.stalled_unread,
+                **_numbers(c),
+                **_numbers(live),
             )

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..._core.llama_server import build_has_pool_defect
-from ..exits import interrupted
+from ..exits import failed, interrupted
 from ..load import LoadRow
 from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate, stuck_bound
 from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target
@@ -62,10 +62,7 @@ def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO
         return interrupted("doctor")
     except Exception as exc:  # a bug of ours: still one line, as promised, with enough to report it
         message = f"unexpected error {type(exc).__name__}: {exc} (please report this)"
-    if options.json:
-        print(json.dumps({"url": options.url, "error": message, "exit_code": 2}), file=out)
-    print(f"llama-guard doctor: {message}", file=err)
-    return 2
+    return failed("doctor", message, err=err, json_out=out if options.json else None, url=options.url)
 
 
 def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:

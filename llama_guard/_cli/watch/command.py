@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..exits import EXIT_INTERRUPTED
+from ..exits import EXIT_INTERRUPTED, failed
 from .cmdline import ServerCommand, is_llama_server, parse_server_command
 from .proc import (
     ProcessInfo,
@@ -157,10 +157,7 @@ def run_watch(options: WatchOptions, *, out: TextIO | None = None, err: TextIO |
     try:
         return _watch_servers(options, out, err)
     except WatchError as exc:
-        if options.json:
-            print(json.dumps({"error": str(exc), "exit_code": 2}), file=out)
-        print(f"llama-guard watch: {exc}", file=err)
-        return 2
+        return failed("watch", str(exc), err=err, json_out=out if options.json else None)
 
 
 def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
