@@ -197,6 +197,8 @@ class RequestPlan:
     drops_streams: bool
     as_is: bool
     _machine: RequestMachine | None = field(default=None, init=False)
+    # How far its first attempt's new connection got while the plan had no machine (`opening`, `opened`).
+    _opened: int = field(default=0, init=False)
 
     # -- the request's facts, worked out when asked -------------------------------------------------------------------
 
@@ -254,7 +256,31 @@ class RequestPlan:
         machine = self._machine
         if machine is None:
             machine = self._machine = RequestMachine(self, sent=True)
+            if self._opened:  # a new connection was opened for the attempt before the machine existed
+                machine.connecting()
+                if self._opened > 1:
+                    machine.connected()
         return machine
+
+    @property
+    def needs_connection_machine(self) -> bool:
+        """Whether a new connection of this request's attempt needs its own machine: to be probed (the keep-alive
+        strategy), to teach what it cost (``"auto"`` measuring), or because the request has a machine already.
+        Otherwise (the close strategy, the usual case on loopback) the connection is only noted (`opening`,
+        `opened`): a machine is made from what was noted only if the attempt then fails."""
+        return (
+            self._machine is not None
+            or not self.connection.final
+            or (self.policy.probe and self.connection.strategy == "reuse")
+        )
+
+    def opening(self) -> None:
+        """A new connection is being opened for the first attempt (see `needs_connection_machine`)."""
+        self._opened = 1
+
+    def opened(self) -> None:
+        """That connection is up: a failure from now on may have sent the request."""
+        self._opened = 2
 
     @property
     def has_machine(self) -> bool:

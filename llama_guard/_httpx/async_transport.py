@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from .._core import connection_machine as connection
+from .._core.attempt_context import CURRENT_PLAN
 from .._core.guard import Guard, GuardAttributes, RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
 from .._core.log import logger
@@ -178,24 +179,19 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         # The usual request: its first attempt goes out as the caller built it, with no machine unless something
         # needs one. Most requests are answered here: on a pooled connection (reuse), or on a new one with
         # Connection: close (on a copy of the request: the caller's headers are never changed).
-        caller_stream = request.stream  # lent to the first attempt, given back below whatever the outcome
-        first = AttemptBody(plan, body, caller_stream)
-        sent = with_connection_close(request, first, request.extensions) if plan.close_connection else request
-        sent.stream = first
+        sent = with_connection_close(request, request.stream, request.extensions) if plan.close_connection else request
+        token = CURRENT_PLAN.set(plan)  # for the hook on the pool's new connections (async_connections.py)
         try:
             response = await self._transport.handle_async_request(sent)
         except Exception as exc:
-            request.stream = caller_stream
-            first.plan = None
+            CURRENT_PLAN.reset(token)
             attempts = _AsyncAttempts(self, plan)
             return await drive_request(plan.machine(), attempts, attempts.failed(exc))
-        except BaseException:  # cancelled: counted, and nothing left attached to the request
-            request.stream = caller_stream
-            first.plan = None
+        except BaseException:  # cancelled: counted
+            CURRENT_PLAN.reset(token)
             plan.interrupted()
             raise
-        request.stream = caller_stream
-        first.plan = None
+        CURRENT_PLAN.reset(token)
         if response.status_code in RETRIED_STATUSES:
             attempts = _AsyncAttempts(self, plan)
             return await drive_request(plan.machine(), attempts, attempts.answered(response))
@@ -233,7 +229,14 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
     async def _pass_through(self, request: httpx.Request, origin: Origin) -> httpx.Response:
         guard = self._guard
         self.stats.add(passthrough=1)
-        response = await self._transport.handle_async_request(request)
+        if CURRENT_PLAN.get() is None:
+            response = await self._transport.handle_async_request(request)
+        else:  # inside another guarded request's attempt (a nested client): its connections are not this one's
+            token = CURRENT_PLAN.set(None)
+            try:
+                response = await self._transport.handle_async_request(request)
+            finally:
+                CURRENT_PLAN.reset(token)
         if (
             guard.origins.learns
             and guard.origins.learn(origin, response.headers)
@@ -287,19 +290,20 @@ class _AsyncAttempts:
         # transport whose pool is out of reach is followed through httpcore's trace extension instead.
         trace = None if transport._hooked else _AsyncTracer(plan)
         extensions = self._extensions(send, trace)
-        body = AttemptBody(plan, plan.body, self._caller_stream)
+        body = AttemptBody(plan.body, self._caller_stream)
         if send.close_connection:
             sent = with_connection_close(request, body, extensions)
         else:
             request.extensions = extensions
             request.stream = body
             sent = request
+        token = CURRENT_PLAN.set(plan)
         try:
             response = await transport.transport.handle_async_request(sent)
         except Exception as exc:
             return self.failed(exc)
         finally:
-            body.plan = None  # httpcore keeps the body as long as the response: it must not keep the plan alive
+            CURRENT_PLAN.reset(token)
             request.extensions = self._caller_extensions
             request.stream = self._caller_stream
         if trace is not None and not transport._reports_trace_events:

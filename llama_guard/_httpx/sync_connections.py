@@ -5,16 +5,13 @@ This file is generated from ``async_connections.py`` by ``scripts/unasync.py``.
 
 The guard must probe each new connection before httpcore writes a request to it, and must know, when an attempt
 fails, whether it failed connecting (nothing sent) or on a connection (maybe sent). Both are per connection, not per
-request. Two hooks, put on one pool instance by `track_connections`:
+request. The pool's network backend, wrapped (`track_connections`), sees each connect; it learns which guarded
+request the connect is for from `CURRENT_PLAN`, which the transport sets around each attempt: httpcore connects
+lazily, inside the request that will be the connection's first, in that request's own thread or task. It drives the
+new connection's machine (`ConnectionMachine`, through the shared loop) with this stream's I/O (`SyncStreamIO`).
 
-- the pool's ``create_connection`` marks each new connection, which httpcore connects lazily inside its first
-  request; for that one call, `CURRENT_PLAN` names the guarded request, taken from the attempt body the request
-  carries (`AttemptBody`);
-- the pool's network backend, wrapped, sees the connect: it drives the new connection's machine
-  (`ConnectionMachine`, through the shared loop) with this stream's I/O (`SyncStreamIO`).
-
-A request on a pooled connection passes neither hook: it pays nothing here. The streams httpcore reads and writes
-are its own, unwrapped (an https connection only until its TLS handshake).
+A request on a pooled connection passes no hook: it pays nothing here. The connections and the streams httpcore reads
+and writes are its own, unchanged (an https connection is wrapped only until its TLS handshake).
 """
 
 from __future__ import annotations
@@ -29,22 +26,15 @@ from .._core import connection_machine as connection
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.guard import RequestPlan
 from .._drive.sync_drive import advance_connection
-from .attempts import AttemptBody
 from .exceptions import ProbeError, ProbeTimeout
-from .internals import (
-    network_backend,
-    pool_speaks_http1,
-    remove_instance_method,
-    set_instance_method,
-    set_network_backend,
-)
+from .internals import network_backend, pool_speaks_http1, set_instance_method, set_network_backend
 
 __all__ = ["SyncGuardedBackend", "SyncStreamIO", "negotiated_http2", "track_connections"]
 
 
 def track_connections(pool: Any) -> None:
-    """Put the guard's hooks on ``pool`` (once): on its network backend and on the connections it creates.
-    ``pool``: from `internals.hookable_pool`."""
+    """Put the guard's hook on ``pool`` (once): on its network backend, checked again at each new connection (someone
+    may replace the pool's backend after the guard wrapped it). ``pool``: from `internals.hookable_pool`."""
     _wrap_backend(pool)
     create = pool.create_connection
     if not isinstance(create, _SyncCreateConnection):
@@ -59,7 +49,7 @@ def _wrap_backend(pool: Any) -> None:
 
 
 class _SyncCreateConnection:
-    """The pool's ``create_connection``, giving each new connection a hook on its first request."""
+    """The pool's ``create_connection``: the backend a new connection is given is the guard's."""
 
     __slots__ = ("_create", "_pool")
 
@@ -68,39 +58,9 @@ class _SyncCreateConnection:
         self._create = create
 
     def __call__(self, origin: Any) -> Any:
-        # Someone may have replaced the pool's backend after the guard wrapped it: wrap the new one before the
-        # connection is given it. Checked here, once per connection, rather than for every request.
+        # Checked here, once per connection, rather than for every request.
         _wrap_backend(self._pool)
-        new = self._create(origin)
-        # A connection class without an instance __dict__ is not one of httpcore's: it is left alone.
-        set_instance_method(new, "handle_request", _SyncFirstRequest(new))
-        return new
-
-
-class _SyncFirstRequest:
-    """A new connection's ``handle_request`` for its first request, inside which httpcore connects.
-
-    It tells the backend wrapper which guarded request that is (`CURRENT_PLAN`): the one whose attempt body
-    (`AttemptBody`) the request carries, or none for a request the guard passed through. Then it is gone: later
-    requests on the connection call httpcore's own method, and pay nothing.
-    """
-
-    __slots__ = ("_connection",)
-
-    def __init__(self, new: Any) -> None:
-        self._connection = new
-
-    def __call__(self, request: httpcore.Request) -> httpcore.Response:
-        new = self._connection
-        # Two threads may race here for a new HTTP/2 connection (only one connects): the second finds it gone.
-        remove_instance_method(new, "handle_request")
-        body = request.stream
-        token = CURRENT_PLAN.set(body.plan if isinstance(body, AttemptBody) else None)
-        try:
-            response: httpcore.Response = type(new).handle_request(new, request)
-        finally:
-            CURRENT_PLAN.reset(token)
-        return response
+        return self._create(origin)
 
 
 class SyncGuardedBackend(httpcore.NetworkBackend):
@@ -130,6 +90,8 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         plan = CURRENT_PLAN.get()
         if plan is None:
             return connect()
+        if not plan.needs_connection_machine:
+            return _noted(plan, connect)
         url = plan.request.url
         # Through a proxy (forwarding, CONNECT, SOCKS) the connection is the proxy's, not the origin's.
         direct = host == url.host and port == plan.origin.port
@@ -147,6 +109,8 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         plan = CURRENT_PLAN.get()
         if plan is None:
             return connect()
+        if not plan.needs_connection_machine:
+            return _noted(plan, connect)
         # httpx sends every request of a uds transport, proxies included, straight to the socket: kicks go there too.
         opening = connection.Opening(http1=self._http1, tls_later=plan.request.url.scheme == "https", kick_path=path)
         return self._connect(plan, connect, timeout, opening)
@@ -173,6 +137,15 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
 
     def sleep(self, seconds: float) -> None:
         self._backend.sleep(seconds)
+
+
+def _noted(plan: RequestPlan, connect: Any) -> httpcore.NetworkStream:
+    """A new connection that needs no machine (the close strategy: nothing to probe, nothing to measure): only
+    noted, for the retry decision if the attempt fails."""
+    plan.opening()
+    stream: httpcore.NetworkStream = connect()
+    plan.opened()  # a TLS handshake that fails after this is a connect error: nothing was sent either way
+    return stream
 
 
 class _SyncAfterTls(httpcore.NetworkStream):

@@ -34,25 +34,19 @@ def request_body(request: httpx.Request) -> tuple[bytes | None, bool]:
 
 
 class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):
-    """The body one attempt sends, and the plan of the guarded request it belongs to.
+    """The body one attempt of a guarded request sends.
 
     ``content``: the request's bytes when they are held in memory, sent afresh by every attempt; else None, and the
     caller's own one-shot ``stream`` is passed through (once: such a request is never sent twice).
-
-    ``plan``: the request's `RequestPlan`. httpcore hands this object to the connection that serves the attempt, so
-    a new connection learns from its first request which guarded request opened it (``async_connections.py``);
-    requests on pooled connections carry it at no cost. Set to None when the attempt ends: httpcore keeps the body
-    as long as the response, which must not keep the request's state alive too.
 
     An iterator object rather than httpx's async generator: when a write fails half way (a dead pooled
     connection), httpcore abandons the body's iterator, and an abandoned async generator makes trio's finalizer
     warn (a ResourceWarning) long after the request was retried and answered.
     """
 
-    __slots__ = ("_content", "_stream", "plan")
+    __slots__ = ("_content", "_stream")
 
-    def __init__(self, plan: RequestPlan | None, content: bytes | None, stream: Any) -> None:
-        self.plan = plan
+    def __init__(self, content: bytes | None, stream: Any) -> None:
         self._content = content
         self._stream = stream
 
@@ -91,9 +85,9 @@ class _OneChunk:
         return content
 
 
-def with_connection_close(request: httpx.Request, body: AttemptBody, extensions: dict[str, Any]) -> httpx.Request:
-    """A copy of ``request`` that carries ``Connection: close`` and sends ``body``: the caller's headers are never
-    changed."""
+def with_connection_close(request: httpx.Request, body: Any, extensions: dict[str, Any]) -> httpx.Request:
+    """A copy of ``request`` that carries ``Connection: close`` and sends ``body`` (an `AttemptBody`, or the caller's
+    own stream for a first attempt): the caller's headers are never changed."""
     headers = request.headers.copy()
     headers["Connection"] = "close"
     return httpx.Request(request.method, request.url, headers=headers, stream=body, extensions=extensions)
