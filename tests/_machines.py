@@ -3,7 +3,6 @@ socket or an event loop, on a process state of the test's own and (for the conne
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import httpx
@@ -64,17 +63,17 @@ def plan_for(
         stack="httpx",
         process=process if process is not None else fresh_origins(),
     )
-    return guard.plan(
+    plan = guard.plan(
         request,
-        scheme=request.url.scheme,
-        host=request.url.host,
-        port=request.url.port,
+        request.url.scheme,
+        request.url.host,
+        request.url.port,
         origin=Origin.of_url(request.url),
         overrides=overrides,
         body=body,
-        stream=stream,
-        started=time.monotonic(),
     )
+    assert plan.stream is stream  # as the request's body asks
+    return plan
 
 
 def machine_for(policy: GuardPolicy, **kwargs: object) -> RequestMachine:

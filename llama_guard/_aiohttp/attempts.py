@@ -17,7 +17,7 @@ import anyio
 from aiohttp.payload import BytesPayload
 
 from .._core.attempt_context import CURRENT_PLAN
-from .._core.decisions import FailureKind, is_streaming_response, wants_stream
+from .._core.decisions import FailureKind, is_streaming_response
 from .._core.errors import caller_error
 from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
@@ -32,16 +32,14 @@ __all__ = ["ATTEMPT_DEADLINE", "RESULTS", "AiohttpAttempts", "RequestView", "dro
 RESULTS: weakref.WeakKeyDictionary[aiohttp.ClientResponse, GuardResult] = weakref.WeakKeyDictionary()
 
 
-async def request_body(request: aiohttp.ClientRequest) -> tuple[bytes | None, bool]:
-    """The request body when it is held in memory (and so can be inspected and sent again), else None; and
-    whether the request asks llama-server for ``"stream": true``."""
+async def request_body(request: aiohttp.ClientRequest) -> bytes | None:
+    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
     body = request.body
     if isinstance(body, bytes):  # aiohttp's empty body
-        return body, False
+        return body
     if not isinstance(body, BytesPayload):
-        return None, False  # a file or a generator: treated as a one-shot stream, never sent twice
-    content = await body.as_bytes()
-    return content, request.method == "POST" and wants_stream(content)
+        return None  # a file or a generator: treated as a one-shot stream, never sent twice
+    return await body.as_bytes()
 
 
 class RequestView:

@@ -8,7 +8,6 @@ request's machine with aiohttp's I/O (`AiohttpAttempts`). New connections are th
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import aiohttp
@@ -64,13 +63,7 @@ class GuardMiddleware(GuardAttributes):
         """``stats``: a `GuardStats` to count into (shared with other guards), else a new one. ``origins``: a
         registry of llama-server origins shared with other guards (what `install()` passes); else the policy's.
         ``process``: what the guards of the process share; the process's own unless given (tests)."""
-        self._guard = Guard.made(
-            policy=policy,
-            stats=stats,
-            origins=origins,
-            process=process if process is not None else PROCESS,
-            stack=STACK,
-        )
+        self._guard = Guard.made(STACK, policy=policy, stats=stats, origins=origins, process=process or PROCESS)
 
     async def __call__(self, request: aiohttp.ClientRequest, handler: ClientHandler) -> aiohttp.ClientResponse:
         guard = self._guard
@@ -81,18 +74,9 @@ class GuardMiddleware(GuardAttributes):
             origin = Origin.of(scheme, host, port)
             if not guard.origins.is_llama(origin):
                 return await self._pass_through(request, handler, origin)
-        started = time.monotonic()
-        body, stream = await request_body(request)
+        body = await request_body(request)
         plan = guard.plan(
-            RequestView(request),
-            scheme=scheme,
-            host=host,
-            port=port,
-            origin=origin,
-            overrides=current_options(),
-            body=body,
-            stream=stream,
-            started=started,
+            RequestView(request), scheme, host, port, origin=origin, overrides=current_options(), body=body
         )
         attempts = AiohttpAttempts(plan, handler)
         if not plan.as_is:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from .connection_strategy import ConnectionChoice, Strategies
-from .decisions import first_attempt_goes_as_is
+from .decisions import first_attempt_goes_as_is, wants_stream
 from .log import describe_request
 from .origin_probes import GivenUpWatches, OriginProbes
 from .origin_stats import Accounts
@@ -77,6 +77,7 @@ class Guard:
     @classmethod
     def made(
         cls: type[GuardT],
+        stack: str,
         *,
         policy: object,
         stats: object,
@@ -84,9 +85,9 @@ class Guard:
         process: ProcessState,
         **kwargs: Any,
     ) -> GuardT:
-        """A guard from a driver's arguments, checked (a TypeError that names what was wrong and what is accepted),
-        with the defaults for those left None: a default `GuardPolicy`, new counters, the policy's origins.
-        ``kwargs``: the rest of the constructor's (``stack``...)."""
+        """The guard of a driver of ``stack``, from the driver's arguments, checked (a TypeError that names what was
+        wrong and what is accepted), with the defaults for those left None: a default `GuardPolicy`, new counters,
+        the policy's origins. ``kwargs``: the rest of the constructor's (``unix_socket``...)."""
         if policy is not None and not isinstance(policy, GuardPolicy):
             raise TypeError(f"policy must be a llama_guard.GuardPolicy or None; got {type(policy).__name__}")
         if stats is not None and not isinstance(stats, GuardStats):
@@ -99,6 +100,7 @@ class Guard:
             stats=stats if stats is not None else GuardStats(),
             origins=origins if origins is not None else OriginRegistry(policy.origins),
             process=process,
+            stack=stack,
             **kwargs,
         )
 
@@ -121,27 +123,27 @@ class Guard:
     def plan(
         self,
         request: Any,
-        *,
         scheme: str,
         host: str,
         port: int | None,
+        *,
         origin: Origin | None,
         overrides: Any,
         body: bytes | None,
-        stream: bool,
-        started: float,
         may_close: bool = True,
         hooks_follow: bool = True,
     ) -> RequestPlan:
-        """The plan of a request to a llama-server origin.
+        """The plan of a request to a llama-server origin, which the guard receives now.
 
-        ``request``: what the machines read of it (``method``, ``url`` with ``scheme``, ``host``, ``port``, ``path``
-        and ``netloc``, ``headers``, ``extensions`` with httpx's ``timeout``); ``scheme``, ``host``, ``port``: its
-        URL's, as the stack spells them; ``origin``: if worked out already; ``overrides``: the request's own options
-        (a dict of `GuardPolicy` fields) or None; ``body``: its bytes when held in memory (None: a one-shot stream);
-        ``stream``: it asks for ``"stream": true``; ``started``: when the guard received it; ``may_close``: whether
-        ``Connection: close`` may go on it (not where HTTP/2 may carry it); ``hooks_follow``: the stack sees the
-        attempt's new connections anyway (a first attempt sent as it is can still be probed and judged)."""
+        ``request``: what the machines read of it (``method``, upper case, ``url`` with ``scheme``, ``host``,
+        ``port``, ``path`` and ``netloc``, ``headers``, ``extensions`` with httpx's ``timeout``); ``scheme``,
+        ``host``, ``port``: its URL's, as the stack spells them; ``origin``: if worked out already; ``overrides``:
+        the request's own options (a dict of `GuardPolicy` fields) or None; ``body``: its bytes when held in memory
+        (None: a one-shot stream); ``may_close``: whether ``Connection: close`` may go on it (not where HTTP/2 may
+        carry it); ``hooks_follow``: the stack sees the attempt's new connections anyway (a first attempt sent as it
+        is can still be probed and judged)."""
+        started = time.monotonic()
+        stream = body is not None and request.method == "POST" and wants_stream(body)
         policy = self.policy if overrides is None else self.policy.merged(overrides)
         stats = self._accounts.of(scheme, host, port, origin)
         connection = self.strategies.choice(scheme, host, port, origin, policy.connection)

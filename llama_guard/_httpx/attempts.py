@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from .._core import errors
-from .._core.decisions import FailureKind, wants_stream
+from .._core.decisions import FailureKind
 from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
 from .._core.request_machine import Fail, Failed
@@ -22,14 +22,12 @@ from .exceptions import FirstByteTimeout, failure_kind, guarded_error
 __all__ = ["AttemptBody", "caller_error", "judged_failure", "request_body", "with_connection_close"]
 
 
-def request_body(request: httpx.Request) -> tuple[bytes | None, bool]:
-    """The request body when it is held in memory (and so can be inspected and sent again), else None; and
-    whether the request asks llama-server for ``"stream": true``."""
+def request_body(request: httpx.Request) -> bytes | None:
+    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
     try:
-        body = request.content
+        return request.content
     except httpx.RequestNotRead:
-        return None, False  # a one-shot stream: it cannot be inspected, or sent twice
-    return body, request.method == "POST" and wants_stream(body)  # httpx upper-cases methods
+        return None  # a one-shot stream: it cannot be inspected, or sent twice
 
 
 class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):

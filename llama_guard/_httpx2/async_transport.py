@@ -9,7 +9,6 @@ plans a request, ``_core/request_machine.py`` decides its attempts), and the loo
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx2 as httpx
@@ -82,14 +81,10 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
                 f"got {type(transport).__name__}"
             )
         self._transport = transport if transport is not None else httpx.AsyncHTTPTransport(limits=DEFAULT_LIMITS)
-        self._guard = Guard.made(
-            policy=policy,
-            stats=stats,
-            origins=origins,
-            process=process if process is not None else PROCESS,
-            stack=STACK,
-            unix_socket=unix_socket_path(self._transport) is not None,
-        )
+        unix_socket = unix_socket_path(self._transport) is not None
+        process = process or PROCESS
+        guard = Guard.made(STACK, policy=policy, stats=stats, origins=origins, process=process, unix_socket=unix_socket)
+        self._guard = guard
         process = self._guard.process
         # install() must not guard this transport's requests a second time.
         mark_wrapped_by_a_guard(self._transport)
@@ -159,18 +154,15 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
             origin = Origin.of_url(request.url)
             if not guard.origins.is_llama(origin):
                 return await self._pass_through(request, origin)
-        body, stream = request_body(request)
         url = request.url
         plan = guard.plan(
             request,
-            scheme=url.scheme,
-            host=url.host,
-            port=url.port,
+            url.scheme,
+            url.host,
+            url.port,
             origin=origin,
             overrides=request.extensions.get(EXTENSION),
-            body=body,
-            stream=stream,
-            started=time.monotonic(),
+            body=request_body(request),
             may_close=not self._http2 or (self._http1 and url.scheme == "http"),  # HTTP/2 forbids the header
             hooks_follow=self._hooked,
         )

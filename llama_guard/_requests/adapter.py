@@ -36,7 +36,7 @@ GUARD_ATTRIBUTE = "_llama_guard"
 
 
 def _new_guard(policy: object, stats: object, origins: object) -> PoolGuard:
-    return PoolGuard.made(policy=policy, stats=stats, origins=origins, process=PROCESS, stack=STACK, explicit=True)
+    return PoolGuard.made(STACK, policy=policy, stats=stats, origins=origins, process=PROCESS, explicit=True)
 
 
 class GuardAdapter(GuardAttributes, requests.adapters.HTTPAdapter):

@@ -28,7 +28,6 @@ from urllib3.response import BaseHTTPResponse
 from urllib3.util.retry import Retry
 
 from .._core.attempt_context import CURRENT_PLAN
-from .._core.decisions import wants_stream
 from .._core.guard import Guard
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
 from .._core.origins import Origin
@@ -191,7 +190,6 @@ class PoolGuard(Guard):
         return self._guarded(pool, original, origin, call)
 
     def _guarded(self, pool: Any, original: Any, origin: Origin, call: dict[str, Any]) -> BaseHTTPResponse:
-        started = time.monotonic()
         method = str(call["method"]).upper()
         body = call.get("body")
         content = body.encode() if isinstance(body, str) else body
@@ -203,15 +201,7 @@ class PoolGuard(Guard):
             content = b""
         view = CallView(pool, call, method)
         plan = self.plan(
-            view,
-            scheme=pool.scheme,
-            host=pool.host,
-            port=pool.port,
-            origin=origin,
-            overrides=current_options(),
-            body=content,
-            stream=method == "POST" and content is not None and wants_stream(content),
-            started=started,
+            view, pool.scheme, pool.host, pool.port, origin=origin, overrides=current_options(), body=content
         )
         # What every attempt sends: the caller's call (``call`` is the guard's own dict, made from the arguments),
         # with urllib3's own retries taken out (the guard's loop replaces them, see the module's doc), the body left
