@@ -100,7 +100,7 @@ def probing(request: RequestMachine, clock: Clock | None = None) -> Probing:
         admission = Admission(opened.probes, opened.stats, NoTurn())
         assert not admission.waits  # no other connection of the test is being opened
         opened = machine.next(connection.Admitted(admission))
-    assert isinstance(opened, connection.Open), opened
+    assert opened is connection.OPEN, opened
     write = machine.next(connection.Opened())
     assert isinstance(write, connection.Write), write
     return Probing(machine, request, clock, write)
@@ -110,13 +110,13 @@ def give_up(probe: Probing, *, unseen: str | None = None) -> connection.Abort:
     """Let the probe's deadline pass unanswered and keep its connection for the watch (a closed one, or one that
     cannot be watched: ``unseen``)."""
     machine = probe.machine
-    assert isinstance(machine.next(connection.Written()), (connection.Read, connection.Kick))
+    assert isinstance(machine.next(connection.WRITTEN), (connection.Read, connection.Kick))
     probe.clock.now += probe.write.timeout + 0.001
     action = machine.next(
-        connection.TimedOut() if machine.state is connection.ConnectionState.READING else connection.Kicked()
+        connection.TIMED_OUT if machine.state is connection.ConnectionState.READING else connection.Kicked()
     )
     while isinstance(action, (connection.Read, connection.Kick)):
-        action = machine.next(connection.TimedOut() if isinstance(action, connection.Read) else connection.Kicked())
+        action = machine.next(connection.TIMED_OUT if isinstance(action, connection.Read) else connection.Kicked())
     assert isinstance(action, connection.GiveUp), action
     abort = machine.next(connection.Watched(lambda: False, lambda: None, unseen))
     assert isinstance(abort, connection.Abort)

@@ -662,29 +662,29 @@ def test_with_kicks_the_learnt_deadline_is_when_the_kicks_go() -> None:
     probe = probing(request)
     assert probe.write.timeout == policy.probe_timeout
     # Nothing learnt yet: kicks at a quarter and half of the probe's deadline, none at the give-up.
-    assert probe.machine.next(connection.Written()) == connection.Read(pytest.approx(PROBE_SLICE))
+    assert probe.machine.next(connection.WRITTEN) == connection.Read(pytest.approx(PROBE_SLICE))
     kicks = []
     for at in (0.125, 0.25):
         probe.clock.now = at
-        assert isinstance(probe.machine.next(connection.TimedOut()), connection.Kick)
+        assert isinstance(probe.machine.next(connection.TIMED_OUT), connection.Kick)
         kicks.append(at)
         action = probe.machine.next(connection.Kicked())
     assert kicks == [0.125, 0.25]
     probe.clock.now = 0.49
     assert isinstance(action, connection.Read)
-    assert probe.machine.next(connection.TimedOut()) == connection.Read(pytest.approx(0.01))  # no kick at the end
+    assert probe.machine.next(connection.TIMED_OUT) == connection.Read(pytest.approx(0.01))  # no kick at the end
     # The next probe, once the origin's answers taught a deadline: kicks at it, then 2, 4, 8 times it.
     answered(request.plan.origin_probes, *(0.001,) * LEARN_AFTER)
     probe = probing(request)
     probe.clock.now = 0.01
-    assert probe.machine.next(connection.Written()) == connection.Read(pytest.approx(0.02))
+    assert probe.machine.next(connection.WRITTEN) == connection.Read(pytest.approx(0.02))
     kicks = []
     for at in (0.05, 0.1, 0.2, 0.4):
         probe.clock.now = at
-        assert isinstance(probe.machine.next(connection.TimedOut()), connection.Kick)  # not waited past
+        assert isinstance(probe.machine.next(connection.TIMED_OUT), connection.Kick)  # not waited past
         kicks.append(at)
         action = probe.machine.next(connection.Kicked())
     assert kicks == pytest.approx([0.05, 0.1, 0.2, 0.4])
     probe.clock.now = 0.45
-    assert probe.machine.next(connection.TimedOut()) == connection.Read(pytest.approx(0.02))  # then the give-up
+    assert probe.machine.next(connection.TIMED_OUT) == connection.Read(pytest.approx(0.02))  # then the give-up
     assert request.plan.stats.snapshot().probe_kicks == 6

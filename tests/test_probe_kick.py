@@ -163,9 +163,9 @@ def kick_once(flavor: str, port: int) -> KickedRun:
     """One kick of a fresh request's probe to ``port``: the shared drive loop's own kick of that flavour does the
     I/O, and the connection's machine takes what it reports (`Kicked`)."""
     probe = probing(machine_for(GuardPolicy(connection="reuse"), url=f"http://127.0.0.1:{port}{CHAT}"))
-    probe.machine.next(connection.Written())
+    probe.machine.next(connection.WRITTEN)
     probe.clock.now = 0.2  # past the first kick (a quarter of the 0.5 s deadline, nothing learnt)
-    kick = probe.machine.next(connection.TimedOut())
+    kick = probe.machine.next(connection.TIMED_OUT)
     assert kick == connection.Kick("127.0.0.1", port)
     kicked = sync_kick(kick) if flavor == "sync" else anyio.run(async_kick, kick, backend=flavor)
     probe.machine.next(kicked)

@@ -21,7 +21,7 @@ from .._core.decisions import FailureKind, is_streaming_response
 from .._core.errors import caller_error
 from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
-from .._core.request_machine import Answered, ErrorBodyRead, Fail, Failed, Send
+from .._core.request_machine import ERROR_BODY_READ, Answered, Fail, Failed, RequestSignal, Send
 from .._core.result import GuardResult
 from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error
 from .internals import drop_after_response, fail_body_on_connection_loss
@@ -138,7 +138,7 @@ class AiohttpAttempts:
         self._response = response
         return Answered(response.status, response.headers, is_streaming_response(response.headers))
 
-    async def read_error_body(self) -> ErrorBodyRead | Failed:
+    async def read_error_body(self) -> RequestSignal | Failed:
         response = self._response
         assert response is not None
         try:
@@ -150,7 +150,7 @@ class AiohttpAttempts:
         except BaseException:
             response.close()
             raise
-        return ErrorBodyRead()
+        return ERROR_BODY_READ
 
     def drop_stream(self) -> bool:
         assert self._response is not None

@@ -106,7 +106,7 @@ class ProbingHooks(ConnectionHooks):
         self, request: aiohttp.ClientRequest, token: tuple[connection.ConnectionMachine, _TransportIO] | None
     ) -> None:
         if token is not None and not token[0].done:  # the connect failed, or was cancelled
-            token[0].next(connection.OpenFailed())  # its turn, if it had one, goes to the next connection
+            token[0].next(connection.OPEN_FAILED)  # its turn, if it had one, goes to the next connection
 
 
 class _TransportIO:
@@ -133,12 +133,12 @@ class _TransportIO:
             self.transport.set_protocol(reader)
         return reader
 
-    async def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+    async def write(self, data: bytes, timeout: float) -> connection.ConnectionSignal | connection.Broken:
         self._probe_reader()
         self.transport.write(data)  # buffered by asyncio: the read after it waits for the answer
-        return connection.Written()
+        return connection.WRITTEN
 
-    async def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+    async def read(self, timeout: float) -> connection.Received | connection.ConnectionSignal | connection.Broken:
         return await self._probe_reader().next_event(timeout)
 
     def give_back(self) -> None:
@@ -169,7 +169,7 @@ class _ProbeReader(asyncio.Protocol):
         self._error: Exception | None = None
         self._arrived: asyncio.Future[None] | None = None
 
-    async def next_event(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+    async def next_event(self, timeout: float) -> connection.Received | connection.ConnectionSignal | connection.Broken:
         """What arrived (waiting up to ``timeout`` seconds for something): bytes, the end, an error, or nothing."""
         if not (self._data or self._closed):
             self._arrived = asyncio.get_running_loop().create_future()
@@ -180,7 +180,7 @@ class _ProbeReader(asyncio.Protocol):
             return connection.Received(data)
         if self._error is not None:
             return connection.Broken(self._error)
-        return connection.Received(b"") if self._closed else connection.TimedOut()
+        return connection.Received(b"") if self._closed else connection.TIMED_OUT
 
     def _wake(self) -> None:
         if self._arrived is not None and not self._arrived.done():

@@ -19,7 +19,7 @@ from .._core.llama_server import RETRIED_STATUSES
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.process_state import ProcessState
-from .._core.request_machine import Begin
+from .._core.request_machine import BEGIN
 from .._core.request_options import current_options, request_options
 from .._core.result import GuardResult
 from .._core.stats import GuardStats
@@ -80,7 +80,7 @@ class GuardMiddleware(GuardAttributes):
         )
         attempts = AiohttpAttempts(plan, handler)
         if not plan.as_is:
-            return await drive_request(plan.start(), attempts, Begin())
+            return await drive_request(plan.start(), attempts, BEGIN)
 
         # The usual request: its first attempt goes out as it is, with no machine unless something needs one (a new
         # connection to probe, a failure, a 503/429): most are answered here, on a pooled connection.

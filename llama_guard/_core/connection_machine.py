@@ -6,21 +6,21 @@ only where it makes sense for the connection:
 
 - **Admission** (``connect_admission``): while the origin recovers from a stall, its new connections are opened and
   probed one at a time (`Admit`; the queue is the origin's `OriginProbes`).
-- **Open**: the stack connects (TCP, and TLS when it does TLS within its connect); the time it took teaches the
+- **Open** (`OPEN`): the stack connects (TCP, and TLS when it does TLS within its connect); the time it took teaches the
   origin's ``"auto"`` connection strategy. A stack whose TLS handshake comes after its connect returns (httpcore)
-  is told `AwaitTls` and reports `TlsDone` later.
+  is told `AWAIT_TLS` and reports `TlsDone` later.
 - **Probe** (``GET /health`` on the keep-alive strategy): written (`Write`), its answer read in slices (`Read`) while
   the deadline in force may change, kicks opened when due (`Kick`), given up at the deadline (`GiveUp`: the drive
-  loop duplicates the socket for the late-answer watch and reports `Watched`). `Ready`: the request may be written;
+  loop duplicates the socket for the late-answer watch and reports `Watched`). `READY`: the request may be written;
   `Abort`: close the connection and fail its connect (nothing of the request was sent).
 
 Where a mechanism cannot work for this connection (a proxy in between, HTTP/2), the machine says so once per origin
 and reason and in ``stats.probing_off``, and skips it: never silent.
 
-    NEW ──Opening──> ADMITTING ──Admitted──> OPENING ──Opened──> WRITING ──Written──> READING ⇄ KICKING
+    NEW ──Opening──> ADMITTING ──Admitted──> OPENING ──Opened──> WRITING ──WRITTEN──> READING ⇄ KICKING
      │                  ╰──NotAdmitted──> DONE (Abort)     │  ╰──> AWAITING_TLS ──TlsDone──> WRITING or DONE
-     ╰──Opening──> OPENING (no admission)                 ╰──Opened──> DONE (Ready: not probed)
-                                                  READING ──Received──> DONE (Ready, or Abort)
+     ╰──Opening──> OPENING (no admission)                 ╰──Opened──> DONE (READY: not probed)
+                                                  READING ──Received──> DONE (READY, or Abort)
 """
 
 from __future__ import annotations
@@ -42,33 +42,35 @@ if TYPE_CHECKING:
 __all__ = [
     "KICK_CONNECT_TIMEOUT",
     "READ_SIZE",
+    "AWAIT_TLS",
+    "CANCELLED",
+    "OPEN",
+    "OPEN_FAILED",
+    "READY",
+    "TIMED_OUT",
+    "WRITTEN",
     "Abort",
     "Admit",
     "Admitted",
-    "AwaitTls",
     "Broken",
-    "Cancelled",
     "ConnectionAction",
     "ConnectionEvent",
     "ConnectionMachine",
+    "ConnectionSignal",
     "ConnectionState",
+    "ConnectionStep",
     "GiveUp",
     "Kick",
     "Kicked",
     "NotAdmitted",
-    "Open",
-    "OpenFailed",
     "Opened",
     "Opening",
     "Read",
-    "Ready",
     "Received",
-    "TimedOut",
     "TlsDone",
     "UnexpectedEvent",
     "Watched",
     "Write",
-    "Written",
 ]
 
 # How much a driver reads at a time: more than any answer to GET /health (a few hundred bytes).
@@ -93,6 +95,18 @@ class ConnectionState(enum.Enum):
 
 
 # -- events: what the driver reports ------------------------------------------------------------------------------
+
+
+class ConnectionSignal(enum.Enum):
+    """The events that carry nothing but themselves."""
+
+    OPEN_FAILED = "open failed"  # the stack's connect (or TLS handshake) raised: its error goes on as it is
+    WRITTEN = "written"  # the probe's request was written whole
+    TIMED_OUT = "timed out"  # the write, or the read slice, passed its timeout
+    CANCELLED = "cancelled"  # the attempt was cancelled (or interrupted) while an action ran
+
+
+OPEN_FAILED, WRITTEN, TIMED_OUT, CANCELLED = ConnectionSignal
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,25 +163,10 @@ class TlsDone:
 
 
 @dataclass(frozen=True, slots=True)
-class OpenFailed:
-    """The stack's connect (or TLS handshake) raised: the error goes to the request as it is."""
-
-
-@dataclass(frozen=True, slots=True)
-class Written:
-    """The probe's request was written whole."""
-
-
-@dataclass(frozen=True, slots=True)
 class Received:
     """Bytes read from the connection (``b""``: the server closed it)."""
 
     data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class TimedOut:
-    """The write, or the read slice, passed its timeout."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,29 +193,23 @@ class Watched:
     unseen: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Cancelled:
-    """The attempt was cancelled (or interrupted) while an action ran."""
-
-
 ConnectionEvent: TypeAlias = (
-    Opening
-    | Admitted
-    | NotAdmitted
-    | Opened
-    | TlsDone
-    | OpenFailed
-    | Written
-    | Received
-    | TimedOut
-    | Kicked
-    | Broken
-    | Watched
-    | Cancelled
+    Opening | Admitted | NotAdmitted | Opened | TlsDone | Received | Kicked | Broken | Watched | ConnectionSignal
 )
 
 
 # -- actions: what the driver does next ---------------------------------------------------------------------------
+
+
+class ConnectionStep(enum.Enum):
+    """The actions that carry nothing but themselves: the stack's own steps, between which the machine waits."""
+
+    OPEN = "open"  # connect (the stack's own connect)
+    AWAIT_TLS = "await TLS"  # hand the connection to the stack for its TLS handshake; report `TlsDone` after it
+    READY = "ready"  # the request may be written to the connection
+
+
+OPEN, AWAIT_TLS, READY = ConnectionStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,16 +218,6 @@ class Admit:
 
     probes: Any  # the origin's OriginProbes
     stats: Any  # where the wait is counted
-
-
-@dataclass(frozen=True, slots=True)
-class Open:
-    """Connect (the stack's own connect)."""
-
-
-@dataclass(frozen=True, slots=True)
-class AwaitTls:
-    """Hand the connection to the stack for its TLS handshake; report `TlsDone` after it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,11 +253,6 @@ class GiveUp:
 
 
 @dataclass(frozen=True, slots=True)
-class Ready:
-    """The request may be written to the connection."""
-
-
-@dataclass(frozen=True, slots=True)
 class Abort:
     """Close the connection (if open) and fail its connect: the stack's ProbeTimeout (``reason="probe timeout"``),
     ProbeError (``"probe error"``) or ConnectTimeout (``"connect timeout"``: no turn in time), with ``message``;
@@ -284,7 +262,7 @@ class Abort:
     message: str
 
 
-ConnectionAction: TypeAlias = Admit | Open | AwaitTls | Write | Read | Kick | GiveUp | Ready | Abort
+ConnectionAction: TypeAlias = Admit | Write | Read | Kick | GiveUp | Abort | ConnectionStep
 
 
 class UnexpectedEvent(RuntimeError):
@@ -351,9 +329,11 @@ class ConnectionMachine:
         return self._kicks
 
     def next(self, event: ConnectionEvent) -> ConnectionAction:
-        handler = _TRANSITIONS.get((self.state, type(event)))
+        key = event if type(event) is ConnectionSignal else type(event)
+        handler = _TRANSITIONS.get((self.state, key))
         if handler is None:
-            raise UnexpectedEvent(f"a connection in state {self.state.value} cannot take {type(event).__name__}")
+            name = key.name if isinstance(key, ConnectionSignal) else key.__name__
+            raise UnexpectedEvent(f"a connection in state {self.state.value} cannot take {name}")
         return handler(self, event)
 
     # -- admission and open -----------------------------------------------------------------------------------------
@@ -383,25 +363,25 @@ class ConnectionMachine:
             self.state = ConnectionState.ADMITTING
             return Admit(probes, plan.stats)
         self.state = ConnectionState.OPENING
-        return Open()
+        return OPEN
 
     def _on_admitted(self, event: Admitted) -> ConnectionAction:
         self._admission = event.admission
         self.state = ConnectionState.OPENING
-        return Open()
+        return OPEN
 
     def _on_not_admitted(self, event: NotAdmitted) -> ConnectionAction:
         self.state = ConnectionState.DONE
         return Abort("connect timeout", event.admission.timeout_message(event.bound))
 
-    def _on_open_failed(self, event: OpenFailed) -> ConnectionAction:
+    def _on_open_failed(self, event: ConnectionSignal) -> ConnectionAction:
         self._end()
         return Abort("raised", "")
 
     def _on_opened(self, event: Opened | TlsDone) -> ConnectionAction:
         if self._tls_later and isinstance(event, Opened):
             self.state = ConnectionState.AWAITING_TLS
-            return AwaitTls()
+            return AWAIT_TLS
         request = self.request
         connect_seconds = None if request.plan.connection.final else self._clock() - self.opening_started
         if self._probing and event.h2:
@@ -466,13 +446,13 @@ class ConnectionMachine:
         at = first * (2**self._kicks)
         return at if at < self._deadline else None
 
-    def _on_written(self, event: Written) -> ConnectionAction:
+    def _on_written(self, event: ConnectionSignal) -> ConnectionAction:
         return self._wait()
 
-    def _on_write_timed_out(self, event: TimedOut) -> ConnectionAction:
+    def _on_write_timed_out(self, event: ConnectionSignal) -> ConnectionAction:
         return self._give_up()
 
-    def _on_read_slice_passed(self, event: TimedOut) -> ConnectionAction:
+    def _on_read_slice_passed(self, event: ConnectionSignal) -> ConnectionAction:
         self.request.plan.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
         return self._wait()
 
@@ -509,7 +489,7 @@ class ConnectionMachine:
             "probe error", f"the probe of a new connection to {self.request.plan.origin} failed: {event.error}"
         )
 
-    def _on_cancelled(self, event: Cancelled) -> ConnectionAction:
+    def _on_cancelled(self, event: ConnectionSignal) -> ConnectionAction:
         if self._exchange is not None:  # the probe was sent: neither answered nor failed
             self.request.plan.origin_probes.probe_failed(self._number)
         self._end()
@@ -633,10 +613,10 @@ class ConnectionMachine:
             "handling still apply)"
         )
 
-    def _ready(self) -> Ready:
+    def _ready(self) -> ConnectionStep:
         self._end()
         self.request.connected()
-        return Ready()
+        return READY
 
     def _end(self) -> None:
         self.state = ConnectionState.DONE
@@ -648,28 +628,28 @@ class ConnectionMachine:
 
 _Handler: TypeAlias = Callable[[ConnectionMachine, Any], ConnectionAction]
 _S = ConnectionState
-# Every (state, event) pair a connection can meet; any other raises UnexpectedEvent.
-_TRANSITIONS: dict[tuple[ConnectionState, type], _Handler] = {
+# Every (state, event) pair a connection can meet (an event's class, or a signal); any other raises UnexpectedEvent.
+_TRANSITIONS: dict[tuple[ConnectionState, type | ConnectionSignal], _Handler] = {
     (_S.NEW, Opening): ConnectionMachine._on_opening,
     (_S.ADMITTING, Admitted): ConnectionMachine._on_admitted,
     (_S.ADMITTING, NotAdmitted): ConnectionMachine._on_not_admitted,
-    (_S.ADMITTING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.ADMITTING, CANCELLED): ConnectionMachine._on_cancelled,
     (_S.OPENING, Opened): ConnectionMachine._on_opened,
-    (_S.OPENING, OpenFailed): ConnectionMachine._on_open_failed,
-    (_S.OPENING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.OPENING, OPEN_FAILED): ConnectionMachine._on_open_failed,
+    (_S.OPENING, CANCELLED): ConnectionMachine._on_cancelled,
     (_S.AWAITING_TLS, TlsDone): ConnectionMachine._on_opened,
-    (_S.AWAITING_TLS, OpenFailed): ConnectionMachine._on_open_failed,
-    (_S.AWAITING_TLS, Cancelled): ConnectionMachine._on_cancelled,
-    (_S.WRITING, Written): ConnectionMachine._on_written,
-    (_S.WRITING, TimedOut): ConnectionMachine._on_write_timed_out,
+    (_S.AWAITING_TLS, OPEN_FAILED): ConnectionMachine._on_open_failed,
+    (_S.AWAITING_TLS, CANCELLED): ConnectionMachine._on_cancelled,
+    (_S.WRITING, WRITTEN): ConnectionMachine._on_written,
+    (_S.WRITING, TIMED_OUT): ConnectionMachine._on_write_timed_out,
     (_S.WRITING, Broken): ConnectionMachine._on_broken,
-    (_S.WRITING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.WRITING, CANCELLED): ConnectionMachine._on_cancelled,
     (_S.READING, Received): ConnectionMachine._on_received,
-    (_S.READING, TimedOut): ConnectionMachine._on_read_slice_passed,
+    (_S.READING, TIMED_OUT): ConnectionMachine._on_read_slice_passed,
     (_S.READING, Broken): ConnectionMachine._on_broken,
-    (_S.READING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.READING, CANCELLED): ConnectionMachine._on_cancelled,
     (_S.KICKING, Kicked): ConnectionMachine._on_kicked,
-    (_S.KICKING, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.KICKING, CANCELLED): ConnectionMachine._on_cancelled,
     (_S.GIVING_UP, Watched): ConnectionMachine._on_watched,
-    (_S.GIVING_UP, Cancelled): ConnectionMachine._on_cancelled,
+    (_S.GIVING_UP, CANCELLED): ConnectionMachine._on_cancelled,
 }

@@ -4,9 +4,9 @@ Sans-I/O, as hishel's ``State.next()``: `RequestMachine.next(event)` takes what 
 `RequestAction`. Each stack's driver performs the action with its own I/O (``_drive/async_drive.py`` runs the one
 loop, each stack gives it an `AttemptIO`) and reports the outcome as the next event::
 
-    READY ──Begin──> SENDING ──Answered(503/429)──> READING_ERROR ──ErrorBodyRead──> WAITING or DELIVERING
+    READY ──BEGIN──> SENDING ──Answered(503/429)──> READING_ERROR ──ERROR_BODY_READ──> WAITING or DELIVERING
                        │  ╰──Answered──> DELIVERING ──Delivered──> DONE (Done: the result)
-                       ╰──Failed──> WAITING ──Slept──> SENDING      (or DONE: Fail, Reraise)
+                       ╰──Failed──> WAITING ──SLEPT──> SENDING      (or DONE: Fail, RERAISE)
 
 A request's new connections during an attempt have machines of their own (``connection_machine.py``), which report
 here how far the attempt got (`connecting`, `connected`) and what the probes found. A pair of state and event that
@@ -47,24 +47,26 @@ if TYPE_CHECKING:
 __all__ = [
     "MAX_RETRIED_ERROR_BODY",
     "MAX_SOCKET_WAIT",
+    "BEGIN",
+    "CANCELLED",
+    "ERROR_BODY_READ",
+    "READ_ERROR_BODY",
+    "RERAISE",
+    "SLEPT",
     "Answered",
-    "Begin",
-    "Cancelled",
     "Deliver",
     "Delivered",
     "Done",
-    "ErrorBodyRead",
     "Fail",
     "Failed",
-    "ReadErrorBody",
-    "Reraise",
     "RequestAction",
     "RequestEvent",
     "RequestMachine",
+    "RequestSignal",
     "RequestState",
+    "RequestStep",
     "Send",
     "Sleep",
-    "Slept",
     "UnexpectedEvent",
     "retry_reason",
 ]
@@ -88,9 +90,16 @@ class RequestState(enum.Enum):
 # -- events: what the driver reports ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Begin:
-    """Send the request (its first attempt)."""
+class RequestSignal(enum.Enum):
+    """The events that carry nothing but themselves."""
+
+    BEGIN = "begin"  # send the request (its first attempt)
+    ERROR_BODY_READ = "error body read"  # the retriable 503/429's body was read whole (its connection pooled again)
+    SLEPT = "slept"  # the wait before the next attempt is over
+    CANCELLED = "cancelled"  # the request was cancelled (or interrupted) while an action ran
+
+
+BEGIN, ERROR_BODY_READ, SLEPT, CANCELLED = RequestSignal
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,16 +124,6 @@ class Failed:
 
 
 @dataclass(frozen=True, slots=True)
-class ErrorBodyRead:
-    """The retriable 503/429's body was read whole (its connection back in the pool)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Slept:
-    """The wait before the next attempt is over."""
-
-
-@dataclass(frozen=True, slots=True)
 class Delivered:
     """The response is the caller's; ``closed``: its connection will not be reused (dropped after the stream, or
     closed by the header)."""
@@ -132,15 +131,21 @@ class Delivered:
     closed: bool
 
 
-@dataclass(frozen=True, slots=True)
-class Cancelled:
-    """The request was cancelled (or interrupted) while an action ran."""
-
-
-RequestEvent: TypeAlias = Begin | Answered | Failed | ErrorBodyRead | Slept | Delivered | Cancelled
+RequestEvent: TypeAlias = Answered | Failed | Delivered | RequestSignal
 
 
 # -- actions: what the driver does next ---------------------------------------------------------------------------
+
+
+class RequestStep(enum.Enum):
+    """The actions that carry nothing but themselves."""
+
+    READ_ERROR_BODY = "read error body"  # read the 503/429's short body whole: its connection goes back to the pool,
+    # and the caller still gets it if this was the last attempt
+    RERAISE = "reraise"  # raise the last attempt's error as it is: it is not the network's
+
+
+READ_ERROR_BODY, RERAISE = RequestStep
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,12 +156,6 @@ class Send:
     attempt: int
     close_connection: bool
     first_byte_deadline: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ReadErrorBody:
-    """Read the 503/429's short body whole, so that its connection goes back to the pool and the caller still gets
-    it if this was the last attempt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,12 +188,7 @@ class Fail:
     history: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Reraise:
-    """Raise the last attempt's error as it is: it is not the network's."""
-
-
-RequestAction: TypeAlias = Send | ReadErrorBody | Sleep | Deliver | Done | Fail | Reraise
+RequestAction: TypeAlias = Send | Sleep | Deliver | Done | Fail | RequestStep
 
 
 class UnexpectedEvent(RuntimeError):
@@ -303,12 +297,13 @@ class RequestMachine:
     # -- the state machine ------------------------------------------------------------------------------------------
 
     def next(self, event: RequestEvent) -> RequestAction:
-        handler = _TRANSITIONS.get((self.state, type(event)))
+        key = event if type(event) is RequestSignal else type(event)
+        handler = _TRANSITIONS.get((self.state, key))
         if handler is None:
-            raise UnexpectedEvent(f"a request in state {self.state.value} cannot take {type(event).__name__}")
+            raise UnexpectedEvent(f"a request in state {self.state.value} cannot take {_name(key)}")
         return handler(self, event)
 
-    def _on_begin(self, event: Begin | Slept) -> RequestAction:
+    def _on_begin(self, event: RequestSignal) -> RequestAction:
         self.state = RequestState.SENDING
         self.attempts += 1
         self.verdict = None
@@ -330,17 +325,17 @@ class RequestMachine:
         self.streaming = event.streaming
         if self._judge_response(event.status, event.headers):
             self.state = RequestState.READING_ERROR
-            return ReadErrorBody()
+            return READ_ERROR_BODY
         return self._deliver()
 
     def _on_failed(self, event: Failed) -> RequestAction:
         if event.kind is None:
             self.state = RequestState.DONE
-            return Reraise()
+            return RERAISE
         self._judge_failure(event.kind, event.error_name, event.detail)
         return self._after_outcome(answered=False)
 
-    def _on_error_body_read(self, event: ErrorBodyRead) -> RequestAction:
+    def _on_error_body_read(self, event: RequestSignal) -> RequestAction:
         return self._after_outcome(answered=True)
 
     def _on_error_body_failed(self, event: Failed) -> RequestAction:
@@ -351,9 +346,9 @@ class RequestMachine:
         self.state = RequestState.DONE
         return Done(self.result(event.closed))
 
-    def _on_cancelled(self, event: Cancelled) -> RequestAction:
+    def _on_cancelled(self, event: RequestSignal) -> RequestAction:
         self.state = RequestState.DONE
-        return Reraise()
+        return RERAISE
 
     def _after_outcome(self, *, answered: bool) -> RequestAction:
         """After an attempt was judged: wait and send again, or end with its outcome (a response, or an error)."""
@@ -521,20 +516,24 @@ class RequestMachine:
         tracker.progress = Progress.HEADERS
 
 
+def _name(key: type | enum.Enum) -> str:
+    return key.name if isinstance(key, enum.Enum) else key.__name__
+
+
 _Handler: TypeAlias = Callable[[RequestMachine, Any], RequestAction]
 _S = RequestState
-# Every (state, event) pair a request can meet; any other raises UnexpectedEvent.
-_TRANSITIONS: dict[tuple[RequestState, type], _Handler] = {
-    (_S.READY, Begin): RequestMachine._on_begin,
-    (_S.READY, Cancelled): RequestMachine._on_cancelled,
+# Every (state, event) pair a request can meet (an event's class, or a signal); any other raises UnexpectedEvent.
+_TRANSITIONS: dict[tuple[RequestState, type | RequestSignal], _Handler] = {
+    (_S.READY, BEGIN): RequestMachine._on_begin,
+    (_S.READY, CANCELLED): RequestMachine._on_cancelled,
     (_S.SENDING, Answered): RequestMachine._on_answered,
     (_S.SENDING, Failed): RequestMachine._on_failed,
-    (_S.SENDING, Cancelled): RequestMachine._on_cancelled,
-    (_S.READING_ERROR, ErrorBodyRead): RequestMachine._on_error_body_read,
+    (_S.SENDING, CANCELLED): RequestMachine._on_cancelled,
+    (_S.READING_ERROR, ERROR_BODY_READ): RequestMachine._on_error_body_read,
     (_S.READING_ERROR, Failed): RequestMachine._on_error_body_failed,
-    (_S.READING_ERROR, Cancelled): RequestMachine._on_cancelled,
-    (_S.WAITING, Slept): RequestMachine._on_begin,
-    (_S.WAITING, Cancelled): RequestMachine._on_cancelled,
+    (_S.READING_ERROR, CANCELLED): RequestMachine._on_cancelled,
+    (_S.WAITING, SLEPT): RequestMachine._on_begin,
+    (_S.WAITING, CANCELLED): RequestMachine._on_cancelled,
     (_S.DELIVERING, Delivered): RequestMachine._on_delivered,
-    (_S.DELIVERING, Cancelled): RequestMachine._on_cancelled,
+    (_S.DELIVERING, CANCELLED): RequestMachine._on_cancelled,
 }

@@ -42,7 +42,7 @@ class AsyncAttemptIO(Protocol[ResponseT]):
     async def send(self, send: request.Send) -> request.Answered | request.Failed:
         """Send one attempt; report its response headers, or its failure (the error kept for `error`)."""
 
-    async def read_error_body(self) -> request.ErrorBodyRead | request.Failed:
+    async def read_error_body(self) -> request.RequestSignal | request.Failed:
         """Read the last response's short body whole (a 503/429 to retry)."""
 
     def drop_stream(self) -> bool:
@@ -58,18 +58,18 @@ class AsyncAttemptIO(Protocol[ResponseT]):
 async def drive_request(
     machine: request.RequestMachine, io: AsyncAttemptIO[ResponseT], event: request.RequestEvent
 ) -> ResponseT:
-    """Run ``machine`` from ``event`` (`Begin`, or what a first attempt sent as it is came to) to the end: the
+    """Run ``machine`` from ``event`` (``BEGIN``, or what a first attempt sent as it is came to) to the end: the
     caller's response, or the error raised. The request is counted once, however it ends."""
     try:
         action = machine.next(event)
         while True:
             if isinstance(action, request.Send):
                 event = await io.send(action)
-            elif isinstance(action, request.ReadErrorBody):
+            elif action is request.READ_ERROR_BODY:
                 event = await io.read_error_body()
             elif isinstance(action, request.Sleep):
                 await anyio.sleep(action.seconds)
-                event = request.Slept()
+                event = request.SLEPT
             elif isinstance(action, request.Deliver):
                 event = request.Delivered(action.drop_stream and io.drop_stream())
             elif isinstance(action, request.Done):
@@ -77,12 +77,12 @@ async def drive_request(
             elif isinstance(action, request.Fail):
                 raise io.error(action)
             else:
-                assert isinstance(action, request.Reraise)
+                assert action is request.RERAISE
                 raise io.error(None)
             action = machine.next(event)
     except BaseException:
         if machine.state is not request.RequestState.DONE:  # cancelled, or interrupted
-            machine.next(request.Cancelled())
+            machine.next(request.CANCELLED)
         raise
     finally:
         machine.counted()
@@ -94,10 +94,10 @@ class AsyncConnectionIO(Protocol):
     #: What bounds the wait for a turn in the origin's queue: the caller's connect timeout (None: none).
     connect_timeout: float | None
 
-    async def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+    async def write(self, data: bytes, timeout: float) -> connection.ConnectionSignal | connection.Broken:
         """Write ``data`` within ``timeout`` seconds."""
 
-    async def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+    async def read(self, timeout: float) -> connection.Received | connection.ConnectionSignal | connection.Broken:
         """Read what arrives (up to `connection.READ_SIZE` bytes) within ``timeout`` seconds."""
 
     async def close(self) -> None:
@@ -109,13 +109,13 @@ class AsyncConnectionIO(Protocol):
 
 async def advance_connection(
     machine: connection.ConnectionMachine, event: connection.ConnectionEvent, io: AsyncConnectionIO
-) -> connection.Open | connection.AwaitTls | connection.Ready:
-    """Run a new connection's ``machine`` from ``event`` to the stack's next step of its own: `Open` (connect),
-    `AwaitTls` (do the TLS handshake, then report `TlsDone`) or `Ready` (write the request). A probe that fails
+) -> connection.ConnectionStep:
+    """Run a new connection's ``machine`` from ``event`` to the stack's next step of its own: ``OPEN`` (connect),
+    ``AWAIT_TLS`` (do the TLS handshake, then report `TlsDone`) or ``READY`` (write the request). A probe that fails
     closes the connection and raises the stack's error; so does a turn that did not come in time."""
     action = machine.next(event)
     while True:
-        if isinstance(action, (connection.Open, connection.AwaitTls, connection.Ready)):
+        if action in (connection.OPEN, connection.AWAIT_TLS, connection.READY):
             return action
         try:
             if isinstance(action, connection.Admit):
@@ -135,7 +135,7 @@ async def advance_connection(
                 raise io.error(action)
         except BaseException:
             if not machine.done:  # cancelled, or interrupted, while the action ran
-                machine.next(connection.Cancelled())
+                machine.next(connection.CANCELLED)
                 await io.close()
             raise
         action = machine.next(event)

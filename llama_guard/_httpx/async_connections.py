@@ -126,7 +126,7 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         try:
             stream: httpcore.AsyncNetworkStream = await connect()
         except BaseException:
-            machine.next(connection.OpenFailed())
+            machine.next(connection.OPEN_FAILED)
             raise
         io.stream = stream
         if opening.tls_later:
@@ -165,7 +165,7 @@ class _AsyncAfterTls(httpcore.AsyncNetworkStream):
         try:
             stream = await self._stream.start_tls(ssl_context, server_hostname, timeout)
         except BaseException:
-            self._machine.next(connection.OpenFailed())
+            self._machine.next(connection.OPEN_FAILED)
             raise
         self._io.stream = stream
         done = connection.TlsDone(h2=negotiated_http2(stream), socket=stream.get_extra_info("socket"))
@@ -201,22 +201,22 @@ class AsyncStreamIO:
         self.connect_timeout = connect_timeout
         self.stream: httpcore.AsyncNetworkStream | None = None
 
-    async def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+    async def write(self, data: bytes, timeout: float) -> connection.ConnectionSignal | connection.Broken:
         assert self.stream is not None
         try:
             await self.stream.write(data, timeout=timeout)
         except httpcore.TimeoutException:
-            return connection.TimedOut()
+            return connection.TIMED_OUT
         except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
             return connection.Broken(exc)
-        return connection.Written()
+        return connection.WRITTEN
 
-    async def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+    async def read(self, timeout: float) -> connection.Received | connection.ConnectionSignal | connection.Broken:
         assert self.stream is not None
         try:
             return connection.Received(await self.stream.read(connection.READ_SIZE, timeout=timeout))
         except httpcore.TimeoutException:
-            return connection.TimedOut()
+            return connection.TIMED_OUT
         except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
             return connection.Broken(exc)
 

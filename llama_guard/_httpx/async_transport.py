@@ -21,7 +21,16 @@ from .._core.origins import Origin, OriginRegistry
 from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.process_state import ProcessState
-from .._core.request_machine import MAX_RETRIED_ERROR_BODY, Answered, Begin, ErrorBodyRead, Fail, Failed, Send
+from .._core.request_machine import (
+    BEGIN,
+    ERROR_BODY_READ,
+    MAX_RETRIED_ERROR_BODY,
+    Answered,
+    Fail,
+    Failed,
+    RequestSignal,
+    Send,
+)
 from .._core.result import EXTENSION, GuardResult
 from .._core.stats import GuardStats
 from .._drive.async_drive import advance_connection, drive_request
@@ -166,7 +175,7 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
             hooks_follow=self._hooked,
         )
         if not plan.as_is:
-            return await drive_request(plan.start(), _AsyncAttempts(self, plan), Begin())
+            return await drive_request(plan.start(), _AsyncAttempts(self, plan), BEGIN)
 
         # The usual request: its first attempt goes out as the caller built it, with no machine unless something
         # needs one. Most requests are answered here: on a pooled connection (reuse), or on a new one with
@@ -336,7 +345,7 @@ class _AsyncAttempts:
                 del timeouts["read"]
         return Answered(response.status_code, response.headers, self._transport._is_streaming(response.headers))
 
-    async def read_error_body(self) -> ErrorBodyRead | Failed:
+    async def read_error_body(self) -> RequestSignal | Failed:
         response = self._response
         assert response is not None
         try:
@@ -347,7 +356,7 @@ class _AsyncAttempts:
         finally:
             await response.aclose()
         assert len(response.content) <= MAX_RETRIED_ERROR_BODY
-        return ErrorBodyRead()
+        return ERROR_BODY_READ
 
     def drop_stream(self) -> bool:
         assert self._response is not None
@@ -401,7 +410,7 @@ class _AsyncTracer:
             action = await advance_connection(
                 self._connection, connection.Opened(socket=stream.get_extra_info("socket")), self._io
             )
-            if isinstance(action, connection.Ready):
+            if action is connection.READY:
                 self._connection = None
         elif event == "connection.start_tls.complete" and self._connection is not None:
             stream = self._io.stream = info["return_value"]

@@ -126,7 +126,7 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         try:
             stream: httpcore.NetworkStream = connect()
         except BaseException:
-            machine.next(connection.OpenFailed())
+            machine.next(connection.OPEN_FAILED)
             raise
         io.stream = stream
         if opening.tls_later:
@@ -165,7 +165,7 @@ class _SyncAfterTls(httpcore.NetworkStream):
         try:
             stream = self._stream.start_tls(ssl_context, server_hostname, timeout)
         except BaseException:
-            self._machine.next(connection.OpenFailed())
+            self._machine.next(connection.OPEN_FAILED)
             raise
         self._io.stream = stream
         done = connection.TlsDone(h2=negotiated_http2(stream), socket=stream.get_extra_info("socket"))
@@ -201,22 +201,22 @@ class SyncStreamIO:
         self.connect_timeout = connect_timeout
         self.stream: httpcore.NetworkStream | None = None
 
-    def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+    def write(self, data: bytes, timeout: float) -> connection.ConnectionSignal | connection.Broken:
         assert self.stream is not None
         try:
             self.stream.write(data, timeout=timeout)
         except httpcore.TimeoutException:
-            return connection.TimedOut()
+            return connection.TIMED_OUT
         except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
             return connection.Broken(exc)
-        return connection.Written()
+        return connection.WRITTEN
 
-    def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+    def read(self, timeout: float) -> connection.Received | connection.ConnectionSignal | connection.Broken:
         assert self.stream is not None
         try:
             return connection.Received(self.stream.read(connection.READ_SIZE, timeout=timeout))
         except httpcore.TimeoutException:
-            return connection.TimedOut()
+            return connection.TIMED_OUT
         except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
             return connection.Broken(exc)
 

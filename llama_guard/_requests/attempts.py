@@ -21,7 +21,7 @@ from .._core.decisions import FailureKind
 from .._core.errors import caller_error
 from .._core.guard import RequestPlan
 from .._core.llama_server import RETRIED_STATUSES
-from .._core.request_machine import MAX_SOCKET_WAIT, Answered, ErrorBodyRead, Fail, Failed, Send
+from .._core.request_machine import ERROR_BODY_READ, MAX_SOCKET_WAIT, Answered, Fail, Failed, RequestSignal, Send
 from .._core.result import GuardResult
 from .exceptions import Urllib3FirstByteTimeout, error_text, failure_kind, guarded_urllib3_error
 from .internals import pool_timeout
@@ -169,7 +169,7 @@ class Urllib3Attempts:
         self._response = response
         return Answered(response.status, response.headers, is_streaming(response))
 
-    def read_error_body(self) -> ErrorBodyRead | Failed:
+    def read_error_body(self) -> RequestSignal | Failed:
         """A retriable 503/429 (a short JSON error: the machine checked its length): read whole so that its
         connection goes back to the pool, and replaced by a response that holds the same bytes, for the caller if
         this was the last attempt."""
@@ -194,7 +194,7 @@ class Urllib3Attempts:
             request_url=response.url,
             retries=response.retries,
         )
-        return ErrorBodyRead()
+        return ERROR_BODY_READ
 
     def drop_stream(self) -> bool:
         assert self._response is not None

@@ -48,7 +48,7 @@ class GuardedConnection:
         try:
             super().connect()  # type: ignore[misc]  # TCP, and TLS for https: the connection is ready for HTTP
         except BaseException:
-            machine.next(connection.OpenFailed())
+            machine.next(connection.OPEN_FAILED)
             raise
         advance_connection(machine, connection.Opened(h2=_negotiated_http2(new), socket=new.sock), io)
         io.restore()
@@ -99,20 +99,20 @@ class _SocketIO:
         sock.settimeout(min(timeout, MAX_SOCKET_WAIT))
         return sock
 
-    def write(self, data: bytes, timeout: float) -> connection.Written | connection.TimedOut | connection.Broken:
+    def write(self, data: bytes, timeout: float) -> connection.ConnectionSignal | connection.Broken:
         try:
             self._socket(timeout).sendall(data)
         except TimeoutError:
-            return connection.TimedOut()
+            return connection.TIMED_OUT
         except OSError as error:
             return connection.Broken(error)
-        return connection.Written()
+        return connection.WRITTEN
 
-    def read(self, timeout: float) -> connection.Received | connection.TimedOut | connection.Broken:
+    def read(self, timeout: float) -> connection.Received | connection.ConnectionSignal | connection.Broken:
         try:
             data = self._socket(timeout).recv(connection.READ_SIZE)
         except TimeoutError:
-            return connection.TimedOut()
+            return connection.TIMED_OUT
         except OSError as error:
             return connection.Broken(error)
         return connection.Received(data)

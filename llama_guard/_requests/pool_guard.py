@@ -31,7 +31,7 @@ from .._core.attempt_context import CURRENT_PLAN
 from .._core.guard import Guard
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
 from .._core.origins import Origin
-from .._core.request_machine import Begin
+from .._core.request_machine import BEGIN
 from .._core.request_options import current_options
 from .._core.result import GuardResult
 from .._drive.sync_drive import drive_request
@@ -215,7 +215,7 @@ class PoolGuard(Guard):
             call["headers"] = with_close(view.headers)
         attempts = Urllib3Attempts(plan, original, preload)
         if not plan.as_is:
-            return drive_request(plan.start(), attempts, Begin())
+            return drive_request(plan.start(), attempts, BEGIN)
         # The usual request: its first attempt goes out as the caller's call, with no machine unless something
         # needs one (a new connection to probe, a failure, a 503/429).
         token = CURRENT_PLAN.set(plan)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import httpcore
@@ -21,17 +21,9 @@ class WrappingBackend(httpcore.NetworkBackend):
     def __init__(self, backend: httpcore.NetworkBackend | None = None) -> None:
         self._backend = backend or httpcore.SyncBackend()
 
-    def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.NetworkStream:
-        return self._open(
-            functools.partial(self._backend.connect_tcp, host, port, timeout, local_address, socket_options)
-        )
+    def connect_tcp(self, host: str, port: int, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+        # httpcore's arguments (timeout, local_address, socket_options) passed on as they came.
+        return self._open(functools.partial(self._backend.connect_tcp, host, port, *args, **kwargs))
 
     def _open(self, connect: Callable[[], httpcore.NetworkStream]) -> httpcore.NetworkStream:
         """A new connection; ``connect()`` opens one through the wrapped backend."""

@@ -167,17 +167,10 @@ class AsyncPreopenedBackend(httpcore.AsyncNetworkBackend):
         self._handout = _Handout(sockets)
         self._fallback = httpcore.AnyIOBackend()
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
+    async def connect_tcp(self, host: str, port: int, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
         sock = self._handout.take()
-        if sock is None:
-            return await self._fallback.connect_tcp(host, port, timeout, local_address, socket_options)
+        if sock is None:  # httpcore's arguments (timeout, local_address, socket_options) passed on as they came
+            return await self._fallback.connect_tcp(host, port, *args, **kwargs)
         return _AsyncSocketStream(sock)
 
     async def sleep(self, seconds: float) -> None:
