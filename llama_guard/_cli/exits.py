@@ -5,14 +5,21 @@ share it without importing each other."""
 from __future__ import annotations
 
 import json
+import json as json_module  # `json` is also run_command's parameter
 import signal
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_INTERRUPTED", "failed", "interrupted"]
+__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_INTERRUPTED", "failed", "interrupted", "run_command", "streams"]
 
 EXIT_COULD_NOT_RUN = 2
 EXIT_INTERRUPTED = 130
+
+
+def streams(out: TextIO | None, err: TextIO | None) -> tuple[TextIO, TextIO]:
+    """A command's output and error streams: the ones given (tests), else the process's at the time of the call."""
+    return (out if out is not None else sys.stdout), (err if err is not None else sys.stderr)
 
 
 def failed(command: str, message: str, *, err: TextIO, json_out: TextIO | None = None, **context: object) -> int:
@@ -33,3 +40,30 @@ def interrupted(command: str) -> int:
     extra = f" ({len(left)} thread(s) still waiting on the network are abandoned)" if left else ""
     print(f"llama-guard {command}: interrupted{extra}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
+
+
+def run_command(
+    command: str,
+    body: Callable[[TextIO, TextIO], int],
+    stops: type[Exception],
+    *,
+    out: TextIO | None,
+    err: TextIO | None,
+    json: bool,
+    **context: object,
+) -> int:
+    """Run a command's ``body(out, err)`` with the promises every command keeps: what stops it (``stops``, its own
+    error class, or a bug of ours) is one line on ``err`` and exit 2 (with ``json``, a JSON error on ``out`` too,
+    with ``context``); Ctrl-C is one line and 130. Returns the exit status."""
+    out, err = streams(out, err)
+    try:
+        return body(out, err)
+    except stops as exc:
+        message = str(exc)
+    except KeyboardInterrupt:
+        if json:
+            print(json_module.dumps({**context, "error": "interrupted", "exit_code": EXIT_INTERRUPTED}), file=out)
+        return interrupted(command)
+    except Exception as exc:  # a bug of ours: still one line, as promised, with enough to report it
+        message = f"unexpected error {type(exc).__name__}: {exc} (please report this)"
+    return failed(command, message, err=err, json_out=out if json else None, **context)

@@ -68,6 +68,15 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _described(
+    commands: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str, description: str
+) -> argparse.ArgumentParser:
+    """A command whose ``--help`` shows its ``description`` as written (line breaks and lists kept)."""
+    return commands.add_parser(
+        name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 # -- demo -------------------------------------------------------------------------------------------------------
 
 
@@ -94,12 +103,8 @@ def _command_demo(args: argparse.Namespace) -> int:
 # -- doctor -----------------------------------------------------------------------------------------------------
 
 
-def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    doctor = commands.add_parser(
-        "doctor",
-        help="examine a running llama-server from the client side: which defects it has, and the fix",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""\
+DOCTOR_HELP = "examine a running llama-server from the client side: which defects it has, and the fix"
+DOCTOR_DESCRIPTION = """\
 Examines a running llama-server over HTTP and says, for each defect, affected / not affected / could not tell,
 with the evidence and the fix:
   - its identity and build (GET /props);
@@ -117,8 +122,11 @@ under its path, then under each shorter path down to the root, and says where it
 exit status: 0 every defect examined and found absent and plain httpx lost nothing, 1 a client here is exposed
 (the server has a defect, or plain httpx lost requests in the pooled load), 2 could not run (bad URL,
 unreachable, no llama-server found, timeout), 3 nothing found but at least one verdict could not be told,
-130 interrupted (Ctrl-C).""",
-    )
+130 interrupted (Ctrl-C)."""
+
+
+def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    doctor = _described(commands, "doctor", DOCTOR_HELP, DOCTOR_DESCRIPTION)
     doctor.add_argument(
         "url", metavar="URL", help="the server, e.g. http://127.0.0.1:8080, or a URL under it such as its /v1 base URL"
     )
@@ -157,12 +165,8 @@ def _command_doctor(args: argparse.Namespace) -> int:
 # -- watch ------------------------------------------------------------------------------------------------------
 
 
-def _add_watch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
-    watch = commands.add_parser(
-        "watch",
-        help="on the server's host: find llama-servers, flag the pool defect's risk, catch stalled connections",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="""\
+WATCH_HELP = "on the server's host: find llama-servers, flag the pool defect's risk, catch stalled connections"
+WATCH_DESCRIPTION = """\
 Runs on the server's own host (Linux; reads /proc, needs no ss). Finds running llama-server processes (or the
 ones named by --pid / --port), reads their --threads-http, --parallel and port, counts their established client
 connections, and flags a build before b11737 holding more connections than its base HTTP threads (default
@@ -171,8 +175,11 @@ every connection whose request sits unread (Recv-Q > 0) for --stall-seconds:
   STALLED 127.0.0.1:8080<-127.0.0.1:54264: request unread for 5 s
 
 exit status: 0 nothing found, 1 a stall or a risk, 2 could not run (not Linux, /proc unreadable, no server),
-130 interrupted (Ctrl-C; what was seen so far is still reported).""",
-    )
+130 interrupted (Ctrl-C; what was seen so far is still reported)."""
+
+
+def _add_watch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    watch = _described(commands, "watch", WATCH_HELP, WATCH_DESCRIPTION)
     # dest: the WatchOptions field each sets (see _options); metavar: what --help shows.
     watch.add_argument(
         "--pid", type=_positive_int, action="append", default=[], dest="pids", metavar="PID", help="watch this process"

@@ -57,13 +57,9 @@ class InstalledPools:
                     from .._requests.pool_guard import PoolGuard
                     from .._runtime import PROCESS
 
-                    self._guard = PoolGuard(
-                        policy=self._policy,
-                        stats=self._stats,
-                        origins=self._origins,
-                        stack=STACK,
-                        explicit=False,
-                        process=PROCESS,
+                    origins, stats, policy = self._origins, self._stats, self._policy
+                    self._guard = PoolGuard.made(
+                        STACK, policy=policy, stats=stats, origins=origins, explicit=False, process=PROCESS
                     )
                 guard = self._guard
         return guard

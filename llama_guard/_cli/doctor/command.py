@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 import textwrap
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..._core.llama_server import build_has_pool_defect
-from ..exits import failed, interrupted
+from ..exits import run_command
 from ..load import LoadRow
 from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate, stuck_bound
 from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target
@@ -50,19 +49,11 @@ class DoctorOptions:
 
 def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run doctor; the exit status. Whatever stops it is one line on ``err`` (and a JSON error with ``--json``)."""
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
-    try:
+
+    def body(out: TextIO, err: TextIO) -> int:
         return _diagnose(options, out, err)
-    except DoctorError as exc:
-        message = str(exc)
-    except KeyboardInterrupt:
-        if options.json:
-            print(json.dumps({"url": options.url, "error": "interrupted", "exit_code": 130}), file=out)
-        return interrupted("doctor")
-    except Exception as exc:  # a bug of ours: still one line, as promised, with enough to report it
-        message = f"unexpected error {type(exc).__name__}: {exc} (please report this)"
-    return failed("doctor", message, err=err, json_out=out if options.json else None, url=options.url)
+
+    return run_command("doctor", body, DoctorError, out=out, err=err, json=options.json, url=options.url)
 
 
 def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:

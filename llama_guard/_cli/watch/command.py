@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from ..exits import EXIT_INTERRUPTED, failed
+from ..exits import EXIT_INTERRUPTED, run_command
 from .cmdline import ServerCommand, is_llama_server, parse_server_command
 from .proc import (
     ProcessInfo,
@@ -152,12 +151,11 @@ class _Watched:
 
 def run_watch(options: WatchOptions, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run ``watch``; returns the exit status. Problems that stop it are one line on ``err`` and status 2."""
-    out = out if out is not None else sys.stdout
-    err = err if err is not None else sys.stderr
-    try:
+
+    def body(out: TextIO, err: TextIO) -> int:
         return _watch_servers(options, out, err)
-    except WatchError as exc:
-        return failed("watch", str(exc), err=err, json_out=out if options.json else None)
+
+    return run_command("watch", body, WatchError, out=out, err=err, json=options.json)
 
 
 def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
