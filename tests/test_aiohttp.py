@@ -359,3 +359,65 @@ def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog
     assert [r.attempts for r in results] == [2, 1]  # type: ignore[attr-defined]
     assert stats.probes_sent == 1
     assert "probing disabled for this origin" in caplog.text
+
+
+def test_a_proxied_aiohttp_request_is_not_probed_and_says_so(
+    racy_server: LlamaServerEmulator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through an HTTP proxy the new connection is the proxy's, not llama-server's: not probed, one warning naming
+    the proxy and stats.probing_off saying why; the requests still go through and streams lose nothing."""
+    from ._connection_kinds import HttpProxy
+
+    PROCESS.warnings.forget()
+    caplog.set_level(logging.WARNING, logger="llama_guard")
+    policy = GuardPolicy(connection="reuse")
+
+    async def run(proxy: str) -> tuple[list[int], GuardStats]:
+        async with guard_aiohttp.guarded_session(policy=policy) as session:
+            statuses = []
+            for index in range(6):
+                body = chat(stream=index % 2 == 1)
+                async with session.post(racy_server.url + CHAT, json=body, proxy=proxy) as response:
+                    await response.read()
+                    statuses.append(response.status)
+            guard = guard_aiohttp.guard_of(session)
+            assert guard is not None
+            return statuses, guard.stats
+
+    with HttpProxy() as proxy:
+        statuses, stats = asyncio.run(run(proxy.url))
+        assert proxy.forwarded == 6
+    assert statuses == [200] * 6
+    snapshot = stats.snapshot()
+    assert snapshot.probes_sent == 0
+    assert snapshot.probing_off is not None
+    assert f"through a proxy at 127.0.0.1:{proxy.port}" in snapshot.probing_off
+    said = [r.getMessage() for r in caplog.records if "are not probed" in r.getMessage()]
+    assert len(said) == 1, said
+    assert racy_server.stats().requests.get(("GET", "/health"), 0) == 0
+    assert racy_server.stats().requests_dropped_after_stream == 0
+
+
+def test_a_unix_socket_session_is_said_not_probed(racy_server: LlamaServerEmulator) -> None:
+    """aiohttp's UnixConnector is not a TCPConnector: the guard added to such a session cannot probe its
+    connections, says so in stats.public_path, and still keeps streams from losing requests (stream close)."""
+    from ._connection_kinds import UnixRelay
+
+    async def run(path: str) -> tuple[list[int], GuardStats]:
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as session:
+            guard = guard_aiohttp.guard_session(session, policy=GuardPolicy(connection="reuse"))
+            assert guard is not None
+            statuses = []
+            for index in range(6):
+                async with session.post(racy_server.url + CHAT, json=chat(stream=index % 2 == 1)) as response:
+                    await response.read()
+                    statuses.append(response.status)
+            return statuses, guard.stats
+
+    with UnixRelay(("127.0.0.1", racy_server.port)) as relay:
+        statuses, stats = asyncio.run(run(relay.address))
+    assert statuses == [200] * 6
+    snapshot = stats.snapshot()
+    assert "not an aiohttp.TCPConnector" in (snapshot.public_path or "")
+    assert snapshot.stream_connections_closed == 3
+    assert racy_server.stats().requests_dropped_after_stream == 0

@@ -231,7 +231,34 @@ def stacks() -> list[Any]:
     except ImportError:
         cases.append(pytest.param("httpx2", id="httpx2", marks=pytest.mark.skip(reason="httpx2 is not installed")))
     cases.append(pytest.param("aiohttp", id="aiohttp"))
+    cases.append(pytest.param("requests", id="requests"))
+    cases.append(pytest.param("urllib3", id="urllib3"))
     return cases
+
+
+def three_blocking_requests(stack: str, url: str) -> GuardStats:
+    """The same through a guarded requests session, or (``"urllib3"``) a urllib3 pool under install()."""
+    import requests
+    import urllib3
+
+    if stack == "requests":
+        with llama_guard.guard(requests.Session()) as session:
+            for body in (chat(), chat(), chat(stream=True)):
+                response = session.post(url + CHAT, json=body, timeout=10.0)
+                assert response.status_code == 200
+                assert llama_guard.result_of(response) is not None
+            return llama_guard.stats_of(session)
+    installation = llama_guard.install(origins=[url])
+    try:
+        pool = urllib3.PoolManager()
+        for body in (chat(), chat(), chat(stream=True)):
+            response = pool.request("POST", url + CHAT, json=body, timeout=10.0)
+            assert response.status == 200
+            assert llama_guard.result_of(response) is not None
+        pool.clear()
+        return installation.stats
+    finally:
+        llama_guard.uninstall()
 
 
 async def three_requests(stack: str, url: str) -> GuardStats:
@@ -261,12 +288,19 @@ async def three_requests(stack: str, url: str) -> GuardStats:
 
 @pytest.mark.parametrize("stack", stacks())
 def test_each_stack_is_named_in_its_accounts(stack: str) -> None:
+    """Each stack's counts go under its own name, in the stats and in what Prometheus scrapes."""
     with LlamaServerEmulator() as server:
-        stats = asyncio.run(three_requests(stack, server.url))
-    assert list(stats.by_origin()) == [(stack, origin_of(server))]
-    account = stats.by_origin()[stack, origin_of(server)]
-    assert (account.requests, account.stream_connections_closed) == (3, 1)
-    assert account.first_byte.summary().count == 3
+        if stack in ("requests", "urllib3"):
+            stats = three_blocking_requests(stack, server.url)
+        else:
+            stats = asyncio.run(three_requests(stack, server.url))
+        origin = origin_of(server)
+        assert list(stats.by_origin()) == [(stack, origin)]
+        account = stats.by_origin()[stack, origin]
+        assert (account.requests, account.stream_connections_closed) == (3, 1)
+        assert account.first_byte.summary().count == 3
+        families = scrape(PrometheusCollector(sources=[stats]))
+        assert sample(families, "llama_guard_requests_total", stack=stack, origin=str(origin)) == 3
 
 
 def test_retries_are_counted_by_reason() -> None:
