@@ -84,6 +84,10 @@ NETWORK_DOCSTRING: Rules = (
 NETWORK_UNASYNC: Rules = (
     (r"\bAsyncGuardedBackend\b", "SyncGuardedBackend"),
     (r"\bAsyncStreamIO\b", "SyncStreamIO"),
+    (r"\bAsyncSpares\b", "SyncSpares"),
+    (r"\b_AsyncTlsDone\b", "_SyncTlsDone"),
+    (r"\bspawn_task\b", "spawn_thread"),
+    (r"\bAsyncTurn\b", "ThreadTurn"),
     (r"\bAsyncConnectionIO\b", "SyncConnectionIO"),
     (r"\b_AsyncAfterTls\b", "_SyncAfterTls"),
     (r"\b_AsyncCreateConnection\b", "_SyncCreateConnection"),

@@ -178,6 +178,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     ),
     "probe_timeout_min": _seconds(allow_zero=False, allow_none=False),
     "probe_kick": st.booleans(),
+    "prewarm": st.booleans(),
     "connect_admission": st.sampled_from(["after_stall", "always", "off"]),
     "max_attempts": st.integers(min_value=1, max_value=100),
     "max_retry_time": _seconds(allow_zero=True, allow_none=True),
@@ -210,6 +211,7 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     ),
     "probe_timeout_min": _bad_seconds(allow_zero=False, allow_none=False),
     "probe_kick": _NOT_BOOL,
+    "prewarm": _NOT_BOOL,
     "connect_admission": st.one_of(
         st.text(max_size=12).filter(lambda text: text not in ("after_stall", "always", "off")),
         st.sampled_from(["Always", None, 1, b"off"]),

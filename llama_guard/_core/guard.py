@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
-from .connection_strategy import ConnectionChoice, Strategies
+from .connection_strategy import ConnectionChoice, Strategies, is_loopback_host
 from .decisions import first_attempt_goes_as_is, wants_stream
 from .log import describe_request
 from .origin_probes import GivenUpWatches, OriginProbes
@@ -274,6 +274,18 @@ class RequestPlan:
             self._machine is not None
             or not self.connection.final
             or (self.policy.probe and self.connection.strategy == "reuse")
+        )
+
+    @property
+    def prewarms(self) -> bool:
+        """Whether a spare replaces this request's stream connection when it is dropped (`GuardPolicy.prewarm`):
+        keep-alive with the probe, to an origin a new connection costs a round trip to (not loopback)."""
+        policy = self.policy
+        return (
+            policy.prewarm
+            and policy.probe
+            and self.connection.strategy == "reuse"
+            and not is_loopback_host(self.origin.host)
         )
 
     def opening(self) -> None:

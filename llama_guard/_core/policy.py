@@ -143,6 +143,11 @@ class GuardPolicy:
             that origin was given up, so that reconnects do not reach the server as a new burst. ``"always"``: for
             every new connection, which also keeps a burst of lazily opened connections from stalling, at the cost of
             one connect and probe round trip per connection in a burst. ``"off"``: never.
+        prewarm: when the keep-alive strategy drops a llama stream's connection (the server closes it after the
+            final chunk), open its replacement at once in the background, connected, TLS'd and probed, for the
+            pool's next connect to that origin (default True; httpx and httpx2 transports; never on loopback or a
+            Unix socket, through a proxy or on an HTTP/2 pool). Saves the next request the connect, TLS and probe
+            round trips across a network. ``stats.spares_opened`` and ``spares_used`` count them.
         max_attempts: attempts per request, the first included (default 4; 1 disables retries).
         max_retry_time: no new attempt starts this many seconds after the first began (default 60.0; None for
             no limit other than ``max_attempts``).
@@ -171,6 +176,7 @@ class GuardPolicy:
     probe_learning_factor: float = 4.0
     probe_timeout_min: float = 0.05
     probe_kick: bool = True
+    prewarm: bool = True
     connect_admission: AdmissionMode = "after_stall"
     max_attempts: int = 4
     max_retry_time: float | None = 60.0
@@ -200,6 +206,7 @@ class GuardPolicy:
             )
         _check_bool("probe_learning", self.probe_learning)
         _check_bool("probe_kick", self.probe_kick)
+        _check_bool("prewarm", self.prewarm)
         _check_seconds("probe_timeout_min", self.probe_timeout_min, allow_none=False, minimum=MIN_DEADLINE)
         factor = self.probe_learning_factor
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1 <= factor <= 1000:

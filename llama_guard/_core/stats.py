@@ -35,6 +35,8 @@ COUNTERS = (
     "probes_rescued",
     "admission_waits",
     "stream_connections_dropped",
+    "spares_opened",
+    "spares_used",
 )
 
 _MIN_SECONDS = 1e-5
@@ -180,6 +182,10 @@ class StatsSnapshot:
     admission_waits: int = 0
     # Of stream_connections_closed, those shut down after the final chunk (the rest went out with Connection: close).
     stream_connections_dropped: int = 0
+    # Spare connections opened and probed ahead for a dropped stream's replacement (GuardPolicy.prewarm), and those a
+    # pool then took instead of connecting.
+    spares_opened: int = 0
+    spares_used: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     # Retries by why the attempt before failed: "stalled_connection" (a probe failed, or the first-byte deadline),
     # "dead_connection" (a pooled connection the server had closed), "status" (503/429), "connection_error".
@@ -262,6 +268,8 @@ class GuardStats:
             self.admission_waits = 0
             self.admission_wait = LatencyHistogram()
             self.stream_connections_dropped = 0
+            self.spares_opened = 0
+            self.spares_used = 0
             self.errors: Counter[str] = Counter()
             self.retries_by_reason: Counter[str] = Counter()
             self.first_byte = LatencyHistogram()

@@ -45,6 +45,8 @@ from .internals import (
     fix_pool_race,
     hookable_pool,
     http_versions,
+    is_direct_pool,
+    network_backend,
     streaming_check,
     unix_socket_path,
 )
@@ -109,6 +111,10 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         else:
             self.stats.public_path = untested or "the wrapped transport's httpcore pool is out of reach"
         self._hooked = pool is not None
+        # Spares replace dropped stream connections (GuardPolicy.prewarm): on a direct HTTP/1.1 pool that is hooked.
+        self._spares = (
+            network_backend(pool).spares if pool is not None and is_direct_pool(pool) and unix_socket is False else None
+        )
         self._bypass_checked = False  # whether its client was looked at for transports that send round it
         # Whether HTTP/2 may carry a request (no Connection: close there).
         self._http1, self._http2 = http_versions(self._transport)
@@ -134,6 +140,8 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
     async def aclose(self) -> None:
         self._say_if_bypassed()
         self._guard.close()
+        if self._spares is not None:
+            await self._spares.aclose()
         await self._transport.aclose()
 
     def _say_if_bypassed(self) -> None:
@@ -197,11 +205,9 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         if response.status_code in RETRIED_STATUSES:
             attempts = _AsyncAttempts(self, plan)
             return await drive_request(plan.machine(), attempts, attempts.answered(response))
-        dropped = (
-            plan.drops_streams
-            and self._is_streaming(response.headers)
-            and self._drop_after_stream(response, plan.stats)
-        )
+        dropped = plan.drops_streams and self._is_streaming(response.headers) and self._drop_stream(response, plan)
+        if plan.stream and plan.close_connection:  # a stream closed by the header: its replacement opened ahead
+            self._prewarm(plan)
         response.extensions[EXTENSION] = plan.answered_at_once(dropped)
         return response
 
@@ -249,6 +255,19 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
             # dies after this stream too.
             self._drop_after_stream(response, self.stats.of_origin(STACK, origin))
         return response
+
+    def _drop_stream(self, response: httpx.Response, plan: RequestPlan) -> bool:
+        """`_drop_after_stream` for a guarded request, whose replacement connection may be opened now (a spare)."""
+        if not self._drop_after_stream(response, plan.stats):
+            return False
+        self._prewarm(plan)
+        return True
+
+    def _prewarm(self, plan: RequestPlan) -> None:
+        """A stream's connection will not be reused: open its replacement ahead, where that pays
+        (`GuardPolicy.prewarm`)."""
+        if self._spares is not None and self._http1 and not self._http2 and plan.prewarms:
+            self._spares.open_one(plan, (plan.request.url.host, plan.origin.port))
 
     def _drop_after_stream(self, response: httpx.Response, stats: GuardStats) -> bool:
         """Have a llama-server stream's connection shut when the response closes, before httpcore would pool it."""
@@ -361,11 +380,14 @@ class _AsyncAttempts:
 
     def drop_stream(self) -> bool:
         assert self._response is not None
-        return self._transport._drop_after_stream(self._response, self._plan.stats)
+        return self._transport._drop_stream(self._response, self._plan)
 
     def respond(self, result: GuardResult) -> httpx.Response:
         response = self._response
         assert response is not None
+        plan = self._plan
+        if plan.stream and plan.close_connection:  # a stream closed by the header: its replacement opened ahead
+            self._transport._prewarm(plan)
         response.extensions[EXTENSION] = result
         return response
 

@@ -37,8 +37,10 @@ __all__ = [
     "client_layout_problem",
     "client_transports",
     "fix_pool_race",
+    "network_backend",
     "bypassing_mounts",
     "hookable_pool",
+    "is_direct_pool",
     "http_versions",
     "pool_speaks_http1",
     "remove_instance_method",
@@ -114,6 +116,11 @@ def hookable_pool(transport: Any) -> Any:
     if getattr(pool, "_network_backend", None) is None or getattr(pool, "create_connection", None) is None:
         return None
     return pool
+
+
+def is_direct_pool(pool: Any) -> bool:
+    """Whether ``pool`` connects to the origins themselves (httpcore's plain pool, not a proxy's)."""
+    return type(pool) in (httpcore.ConnectionPool, httpcore.AsyncConnectionPool)
 
 
 def unix_socket_path(transport: Any) -> str | None:

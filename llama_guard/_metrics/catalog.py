@@ -136,6 +136,20 @@ COUNTERS: tuple[Metric, ...] = (
         "{probe}",
         "Probes answered after a kick: stalled connections rescued where they were.",
     ),
+    _counter(
+        "spares_opened",
+        "llama_guard_spare_connections_opened",
+        "llama_guard.spare_connections.opened",
+        "{connection}",
+        "Spare connections opened and probed ahead to replace dropped stream connections (prewarm).",
+    ),
+    _counter(
+        "spares_used",
+        "llama_guard_spare_connections_used",
+        "llama_guard.spare_connections.used",
+        "{connection}",
+        "Spare connections a pool took instead of connecting.",
+    ),
 )
 STALL_EPISODES = Metric(
     "llama_guard_stall_episodes",
