@@ -1,7 +1,8 @@
 """A minimal, fast HTTP/1.1 keep-alive server for overhead benchmarks, run in its own process.
 
 It answers every request with the same small JSON body, so the client's own cost dominates what is measured.
-Usage: python benchmarks/_keepalive_server.py  (prints the port, serves until killed)
+Usage: python benchmarks/_keepalive_server.py  (prints the port, serves until killed or until its stdin closes, so
+that a benchmark killed without running its cleanup leaves no server behind)
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
 async def main() -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     print(server.sockets[0].getsockname()[1], flush=True)
+    loop = asyncio.get_running_loop()
+    # The parent holds our stdin open; its end (however the parent died) is ours.
+    parent_gone = loop.run_in_executor(None, sys.stdin.buffer.read)
     async with server:
-        await server.serve_forever()
+        await asyncio.wait([parent_gone, asyncio.ensure_future(server.serve_forever())], return_when="FIRST_COMPLETED")
 
 
 if __name__ == "__main__":

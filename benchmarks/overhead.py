@@ -138,7 +138,9 @@ POOLED_TRACE_EVENTS = (
 @contextlib.contextmanager
 def keepalive_server() -> Iterator[str]:
     """Run ``_keepalive_server.py`` in its own process; yields its base URL."""
-    proc = subprocess.Popen([sys.executable, str(SERVER_SCRIPT)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SERVER_SCRIPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -152,8 +154,9 @@ def keepalive_server() -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
 def retry_config() -> Retry:
