@@ -83,3 +83,42 @@ def test_guard_of_a_proxied_client_wraps_the_proxy_transport() -> None:
         assert all(isinstance(t, llama_guard.GuardTransport) for t in mounted)
     finally:
         client.close()
+
+
+def test_a_partial_bypass_is_said_at_the_first_request_without_with(caplog: pytest.LogCaptureFixture) -> None:
+    """A client never entered, with one scheme mounted round the guard: said at its first request through the
+    guard, not only when (if ever) it closes."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"ok": True})
+
+    guard = llama_guard.GuardTransport(httpx.MockTransport(answer))
+    client = httpx.Client(transport=guard, mounts={"https://": httpx.HTTPTransport()})
+    try:
+        with caplog.at_level(logging.WARNING, logger="llama_guard"):
+            assert client.get("http://127.0.0.1:9/health").status_code == 200
+            assert guard.stats.bypassed is not None
+            assert "https://" in guard.stats.bypassed
+            assert len([r for r in caplog.records if "is bypassed" in r.getMessage()]) == 1
+    finally:
+        client.close()
+
+
+def test_the_check_never_walks_the_heap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client is found from the frames that call the guard, not among the heap's objects: a walk of the heap
+    at every client's close costs in proportion to everything the process holds (here it would raise)."""
+    import gc
+
+    def walked(*args: object) -> list[object]:
+        raise AssertionError("the bypass check walked the heap")
+
+    monkeypatch.setattr(gc, "get_referrers", walked)
+    monkeypatch.setattr(gc, "get_objects", walked)
+    entered, closed, plain = (llama_guard.GuardTransport() for _ in range(3))
+    with httpx.Client(transport=entered, proxy=PROXY):
+        pass
+    httpx.Client(transport=closed, proxy=PROXY).close()
+    httpx.Client(transport=plain).close()
+    assert entered.stats.bypassed is not None
+    assert closed.stats.bypassed is not None
+    assert plain.stats.bypassed is None

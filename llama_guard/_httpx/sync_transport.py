@@ -9,6 +9,8 @@ plans a request, ``_core/request_machine.py`` decides its attempts), and the loo
 
 from __future__ import annotations
 
+import sys
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -133,25 +135,26 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
         return f"<{type(self).__name__} {self.policy!r} around {type(self._transport).__name__}>"
 
     def __enter__(self) -> GuardTransport:
-        self._say_if_bypassed()  # a client entering its transports: before any request
+        self._say_if_bypassed(sys._getframe(1))  # a client entering its transports: before any request
         self._transport.__enter__()
         return self
 
     def close(self) -> None:
-        self._say_if_bypassed()
+        self._say_if_bypassed(sys._getframe(1))
         self._guard.close()
         if self._spares is not None:
             self._spares.close()
         self._transport.close()
 
-    def _say_if_bypassed(self) -> None:
+    def _say_if_bypassed(self, caller: FrameType) -> None:
         """If its client mounted transports of its own (``proxy=``, ``mounts=``), they send round the guard: said
-        once per process, and in ``stats.bypassed``. Looked at once, when the client enters its transports (``with``)
-        or else when it closes them."""
+        once per process, and in ``stats.bypassed``. Looked at once, when the client enters its transports
+        (``with``), sends its first request through the guard, or closes them: the client is found among the
+        ``caller`` frames (`bypassing_mounts`)."""
         if self._bypass_checked:
             return
         self._bypass_checked = True
-        patterns = bypassing_mounts(self)
+        patterns = bypassing_mounts(self, caller)
         if not patterns:
             return
         self.stats.bypassed = (
@@ -165,6 +168,8 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
         )
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not self._bypass_checked:  # a client that never entered its transports (no ``with``): said now
+            self._say_if_bypassed(sys._getframe(1))
         guard = self._guard
         origin = None
         if not self._every_origin:

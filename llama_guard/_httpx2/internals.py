@@ -141,23 +141,27 @@ def pool_speaks_http1(pool: Any) -> bool:
     return bool(getattr(pool, "_http1", True))
 
 
-def bypassing_mounts(transport: Any) -> list[str]:
+def bypassing_mounts(transport: Any, frame: types.FrameType | None) -> list[str]:
     """The URL patterns of a client whose ``_transport`` is ``transport`` but which sends through transports of its
-    own mounted for them (``proxy=``, ``mounts=``): requests that match go round ``transport``. Looks for the client
-    among ``transport``'s referrers, and the owners of a referring ``__dict__`` (a walk of the heap: only for a
-    transport that never saw a request)."""
-    import gc
-
-    referrers = gc.get_referrers(transport)
-    owners = [owner for referrer in referrers if isinstance(referrer, dict) for owner in gc.get_referrers(referrer)]
-    patterns: list[str] = []
-    for candidate in (*referrers, *owners):
-        if isinstance(candidate, (httpx.Client, httpx.AsyncClient)) and client_transports(candidate)[0] is transport:
-            for pattern, mounted in client_transports(candidate)[1].items():
-                if mounted is not None and mounted is not transport:
-                    patterns.append(str(getattr(pattern, "pattern", pattern)))
+    own mounted for them (``proxy=``, ``mounts=``): requests that match go round ``transport``. The client is the
+    ``self`` of one of the few frames from ``frame`` outwards (httpx's client calls its transport's ``__enter__``,
+    ``close`` and request handler from its own methods); a transport called otherwise finds none (an empty list)."""
+    for _ in range(_CALLER_FRAMES):
+        if frame is None:
             break
-    return patterns
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, (httpx.Client, httpx.AsyncClient)) and client_transports(candidate)[0] is transport:
+            return [
+                str(getattr(pattern, "pattern", pattern))
+                for pattern, mounted in client_transports(candidate)[1].items()
+                if mounted is not None and mounted is not transport
+            ]
+        frame = frame.f_back
+    return []
+
+
+# How far out `bypassing_mounts` looks for the client: its own method, and a wrapper or two between.
+_CALLER_FRAMES = 4
 
 
 def network_backend(pool: Any) -> Any:
