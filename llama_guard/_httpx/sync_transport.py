@@ -193,20 +193,30 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
 
         # The usual request: its first attempt goes out as the caller built it, with no machine unless something
         # needs one. Most requests are answered here: on a pooled connection (reuse), or on a new one with
-        # Connection: close (on a copy of the request: the caller's headers are never changed).
-        sent = with_connection_close(request, request.stream, request.extensions) if plan.close_connection else request
+        # Connection: close (on a copy of the request: the caller's headers are never changed). A body held in memory
+        # goes out as an `AttemptBody`, not httpx's generator, which a write failing half way would leave suspended.
+        caller_stream = request.stream
+        body = AttemptBody(plan.body, None) if plan.body else caller_stream
+        if plan.close_connection:
+            sent = with_connection_close(request, body, request.extensions)
+        else:
+            sent = request
+            request.stream = body
         token = CURRENT_PLAN.set(plan)  # for the hook on the pool's new connections (sync_connections.py)
         try:
             response = self._transport.handle_request(sent)
         except Exception as exc:
             CURRENT_PLAN.reset(token)
+            request.stream = caller_stream
             attempts = _SyncAttempts(self, plan)
             return drive_request(plan.machine(), attempts, attempts.failed(exc))
         except BaseException:  # cancelled: counted
             CURRENT_PLAN.reset(token)
+            request.stream = caller_stream
             plan.interrupted()
             raise
         CURRENT_PLAN.reset(token)
+        request.stream = caller_stream
         if response.status_code in RETRIED_STATUSES:
             attempts = _SyncAttempts(self, plan)
             return drive_request(plan.machine(), attempts, attempts.answered(response))
