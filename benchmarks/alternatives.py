@@ -763,6 +763,23 @@ def report(results: Sequence[Result], meta: dict[str, Any], out: Path) -> None:
             if reasons:
                 print(f"  {scenario}, {name}: " + " | ".join(reasons))
     print()
+    print("The guard's counters, summed over runs per cell (retries; probes; kicks; spares opened ahead and used):")
+    for scenario in scenarios:
+        for trip_key in trips:
+            name = ROUND_TRIPS[trip_key].name
+            for kind in (*GUARD_POLICIES, FIXED_REUSE):
+                mine = [r for r in results if (r.scenario, r.trip, r.kind) == (scenario, name, kind)]
+                if not mine:
+                    continue
+                total: collections.Counter[str] = collections.Counter()
+                for r in mine:
+                    total.update(r.block.guard)
+                print(
+                    f"  {scenario}, {name}, {kind}: retries {total['retries']}, probes {total['probes']} "
+                    f"({total['probes_given_up']} given up), kicks {total['probe_kicks']}, spares "
+                    f"{total['spares_opened']} opened, {total['spares_used']} used"
+                )
+    print()
     print("Issue 22's targets:")
     for scenario in scenarios:
         for trip_key in trips:

@@ -212,6 +212,9 @@ def guard_counters(client: httpx.Client) -> dict[str, int]:
     if hasattr(snap, "probe_kicks"):  # kick connections opened (probe_kick), and the probes rescued by them
         counters["probe_kicks"] = snap.probe_kicks
         counters["probes_rescued"] = snap.probes_rescued
+    if hasattr(snap, "spares_opened"):  # connections opened ahead for streams' successors (GuardPolicy.prewarm)
+        counters["spares_opened"] = snap.spares_opened
+        counters["spares_used"] = snap.spares_used
     return counters
 
 
