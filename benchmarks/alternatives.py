@@ -123,7 +123,11 @@ GUARD_POLICIES: dict[str, GuardPolicy] = {GUARD: GuardPolicy()}
 if HAS_CONNECTION:
     GUARD_POLICIES[GUARD_CLOSE] = GuardPolicy(connection="close")  # type: ignore[call-arg,unused-ignore]
     GUARD_POLICIES[GUARD_REUSE] = GuardPolicy(connection="reuse")  # type: ignore[call-arg,unused-ignore]
+#: The default without spare connections: what GuardPolicy.prewarm buys (named with --kinds; not in the default run).
+GUARD_NO_SPARES = "guard default without spares"
+GUARD_POLICIES[GUARD_NO_SPARES] = GuardPolicy(prewarm=False)
 KINDS = (*ALTERNATIVES, *GUARD_POLICIES)
+DEFAULT_KINDS = tuple(kind for kind in KINDS if kind != GUARD_NO_SPARES)
 
 SCENARIOS = ("proxy-like", "burst", "saturated")
 SCENARIO_TEXT = {
@@ -597,7 +601,10 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(ROUND_TRIPS),
         help=f"comma-separated, from {', '.join(ROUND_TRIPS)} (default all)",
     )
-    parser.add_argument("--kinds", help="client kinds, comma-separated (default all: " + ", ".join(KINDS) + ")")
+    parser.add_argument(
+        "--kinds",
+        help="client kinds, comma-separated (default: " + ", ".join(DEFAULT_KINDS) + f"; also '{GUARD_NO_SPARES}')",
+    )
     parser.add_argument(
         "--netns",
         choices=("auto", "off"),
@@ -611,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     trips = [t.strip() for t in args.round_trips.split(",")]
-    kinds = KINDS if not args.kinds else tuple(k.strip() for k in args.kinds.split(","))
+    kinds = DEFAULT_KINDS if not args.kinds else tuple(k.strip() for k in args.kinds.split(","))
     if unknown := [s for s in scenarios if s not in SCENARIOS] + [t for t in trips if t not in ROUND_TRIPS]:
         parser.error(f"unknown scenario or round trip: {unknown}")
     if unknown := [k for k in kinds if k not in (*KINDS, *FIXED_KINDS)]:

@@ -143,11 +143,12 @@ class GuardPolicy:
             that origin was given up, so that reconnects do not reach the server as a new burst. ``"always"``: for
             every new connection, which also keeps a burst of lazily opened connections from stalling, at the cost of
             one connect and probe round trip per connection in a burst. ``"off"``: never.
-        prewarm: when the keep-alive strategy drops a llama stream's connection (the server closes it after the
-            final chunk), open its replacement at once in the background, connected, TLS'd and probed, for the
-            pool's next connect to that origin (default True; httpx and httpx2 transports; never on loopback or a
-            Unix socket, through a proxy or on an HTTP/2 pool). Saves the next request the connect, TLS and probe
-            round trips across a network. ``stats.spares_opened`` and ``spares_used`` count them.
+        prewarm: under the keep-alive strategy, a llama stream's connection is not reused (the server closes it
+            after the final chunk): open its replacement in the background as the stream's request goes out,
+            connected, TLS'd and probed, for the pool's next connect to that origin (default True; httpx and httpx2
+            transports; never on loopback or a Unix socket, through a proxy or on an HTTP/2 pool). Saves the next
+            request the connect, TLS and probe round trips across a network. ``stats.spares_opened`` and
+            ``spares_used`` count them.
         max_attempts: attempts per request, the first included (default 4; 1 disables retries).
         max_retry_time: no new attempt starts this many seconds after the first began (default 60.0; None for
             no limit other than ``max_attempts``).

@@ -188,6 +188,9 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
             may_close=not self._http2 or (self._http1 and url.scheme == "http"),  # HTTP/2 forbids the header
             hooks_follow=self._hooked,
         )
+        if plan.stream and (plan.close_connection or plan.drops_streams):
+            # Its connection will not be reused: the replacement is opened now, while the stream is sent and read.
+            self._prewarm(plan)
         if not plan.as_is:
             return await drive_request(plan.start(), _AsyncAttempts(self, plan), BEGIN)
 
@@ -220,9 +223,11 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         if response.status_code in RETRIED_STATUSES:
             attempts = _AsyncAttempts(self, plan)
             return await drive_request(plan.machine(), attempts, attempts.answered(response))
-        dropped = plan.drops_streams and self._is_streaming(response.headers) and self._drop_stream(response, plan)
-        if plan.stream and plan.close_connection:  # a stream closed by the header: its replacement opened ahead
-            self._prewarm(plan)
+        dropped = (
+            plan.drops_streams
+            and self._is_streaming(response.headers)
+            and self._drop_after_stream(response, plan.stats)
+        )
         response.extensions[EXTENSION] = plan.answered_at_once(dropped)
         return response
 
@@ -271,16 +276,10 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
             self._drop_after_stream(response, self.stats.of_origin(STACK, origin))
         return response
 
-    def _drop_stream(self, response: httpx.Response, plan: RequestPlan) -> bool:
-        """`_drop_after_stream` for a guarded request, whose replacement connection may be opened now (a spare)."""
-        if not self._drop_after_stream(response, plan.stats):
-            return False
-        self._prewarm(plan)
-        return True
-
     def _prewarm(self, plan: RequestPlan) -> None:
         """A stream's connection will not be reused: open its replacement ahead, where that pays
-        (`GuardPolicy.prewarm`)."""
+        (`GuardPolicy.prewarm`). Opened as the stream's request goes out, it has the stream's whole time (a round
+        trip and the generation) to connect, do TLS and be probed before the pool's next connect wants it."""
         if self._spares is not None and self._http1 and not self._http2 and plan.prewarms:
             self._spares.open_one(plan, (plan.request.url.host, plan.origin.port))
 
@@ -395,14 +394,11 @@ class _AsyncAttempts:
 
     def drop_stream(self) -> bool:
         assert self._response is not None
-        return self._transport._drop_stream(self._response, self._plan)
+        return self._transport._drop_after_stream(self._response, self._plan.stats)
 
     def respond(self, result: GuardResult) -> httpx.Response:
         response = self._response
         assert response is not None
-        plan = self._plan
-        if plan.stream and plan.close_connection:  # a stream closed by the header: its replacement opened ahead
-            self._transport._prewarm(plan)
         response.extensions[EXTENSION] = result
         return response
 

@@ -16,9 +16,9 @@ and writes are its own, unchanged (an https connection is wrapped only until its
 Spare connections (`SyncSpares`, `GuardPolicy.prewarm`): llama-server closes a stream's connection after its final
 chunk, so under the keep-alive strategy every stream costs its pool a new connection, a connect (and TLS) and the
 probe's round trip paid by the next request that needs one: across a network, two or three round trips of that
-request's own time. When the guard drops a stream's connection it opens the replacement at once, while the stream is
-still being read: connected, TLS'd as the pool's own connections are, and probed through its own machine, it waits
-(at most `SPARE_IDLE`, below llama-server's keep-alive) for the pool's next connect to that origin, which takes it
+request's own time. The guard opens the replacement as the stream's request goes out, so that it has the stream's
+whole time to get ready: connected, TLS'd as the pool's own connections are, and probed through its own machine, it
+waits (at most `SPARE_IDLE`, below llama-server's keep-alive) for the pool's next connect to that origin, which takes it
 instead of connecting. Never on loopback or a Unix socket (a new connection costs nothing there), through a proxy,
 or on an HTTP/2 pool.
 """
