@@ -67,13 +67,14 @@ REMOTE = Origin("http", "10.1.2.3", 8080)
         ("auto", Origin("http", "127.0.0.1", 8080), False, "close", True, "loopback"),
         ("auto", Origin("https", "::1", 443), False, "close", True, "loopback"),
         ("auto", REMOTE, True, "close", True, "Unix socket"),
-        ("auto", REMOTE, False, "reuse", False, "measuring"),
+        ("auto", REMOTE, False, "close", False, "measuring"),
     ],
 )
 def test_choice_before_any_measurement(
     mode: str, origin: Origin, unix_socket: bool, strategy: str, final: bool, reason: str
 ) -> None:
-    """Forced modes win; auto closes on loopback and Unix sockets at once, and reuses while measuring elsewhere."""
+    """Forced modes win; auto closes on loopback and Unix sockets at once, and closes (probing) while measuring
+    elsewhere."""
     choice = OriginConnections(origin).choice(mode, unix_socket=unix_socket)  # type: ignore[arg-type]
     assert (choice.strategy, choice.final) == (strategy, final)
     assert reason in choice.reason
@@ -294,12 +295,12 @@ needs_netns = pytest.mark.skipif(
     ],
 )
 def test_auto_measures_away_from_loopback(delay: float, tokens: int, chosen: str) -> None:
-    """On a non-loopback address (10.77.0.1 in a namespace of the test's own), auto reuses while measuring and then
-    chooses by the measured cost, far from the 5% line either way."""
+    """On a non-loopback address (10.77.0.1 in a namespace of the test's own), auto closes (probing each new
+    connection) while measuring and then chooses by the measured cost, far from the 5% line either way."""
     data = _run_in_network_namespace(delay, tokens)
     strategies = data["strategies"]
     assert isinstance(strategies, list)
-    assert strategies[0] == "reuse"  # measuring
+    assert strategies[0] == "close"  # measuring
     assert strategies[-1] == chosen, data["why"]
     (why,) = data["why"].values()  # type: ignore[attr-defined]
     assert why.startswith(f"{chosen} (measured:"), why

@@ -272,9 +272,15 @@ class RequestMachine:
 
     @property
     def probing(self) -> bool:
-        """New connections of this request's attempts are to be probed."""
+        """New connections of this request's attempts are to be probed: under the keep-alive strategy, and while
+        ``"auto"`` measures what a new connection costs (its probe's round trip is part of it)."""
         plan = self.plan
-        return plan.policy.probe and not self.server_reads_connections and plan.connection.strategy == "reuse"
+        connection = plan.connection
+        return (
+            plan.policy.probe
+            and not self.server_reads_connections
+            and (connection.strategy == "reuse" or not connection.final)
+        )
 
     @property
     def waiting_for_headers(self) -> bool:

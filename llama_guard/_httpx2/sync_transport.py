@@ -39,7 +39,7 @@ from .._core.stats import GuardStats
 from .._drive.sync_drive import advance_connection, drive_request
 from .._runtime import PROCESS
 from .sync_connections import SyncStreamIO, negotiated_http2, track_connections
-from .attempts import AttemptBody, caller_error, judged_failure, request_body, with_connection_close
+from .attempts import AttemptBody, caller_error, connection_close_headers, judged_failure, request_body
 from .internals import (
     bypassing_mounts,
     cap_keepalive_expiry,
@@ -196,30 +196,29 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
 
         # The usual request: its first attempt goes out as the caller built it, with no machine unless something
         # needs one. Most requests are answered here: on a pooled connection (reuse), or on a new one with
-        # Connection: close (on a copy of the request: the caller's headers are never changed). A body held in memory
-        # goes out as an `AttemptBody`, not httpx's generator, which a write failing half way would leave suspended.
-        caller_stream = request.stream
-        body = AttemptBody(plan.body, None) if plan.body else caller_stream
+        # Connection: close (headers lent to the request for the attempt: the caller's are never changed). A body
+        # held in memory goes out as an `AttemptBody`, not httpx's generator, which a write failing half way would
+        # leave suspended.
+        caller_stream, caller_headers = request.stream, request.headers
+        if plan.body:
+            request.stream = AttemptBody(plan.body, None)
         if plan.close_connection:
-            sent = with_connection_close(request, body, request.extensions)
-        else:
-            sent = request
-            request.stream = body
+            request.headers = connection_close_headers(request)
         token = CURRENT_PLAN.set(plan)  # for the hook on the pool's new connections (sync_connections.py)
         try:
-            response = self._transport.handle_request(sent)
+            response = self._transport.handle_request(request)
         except Exception as exc:
             CURRENT_PLAN.reset(token)
-            request.stream = caller_stream
+            request.stream, request.headers = caller_stream, caller_headers
             attempts = _SyncAttempts(self, plan)
             return drive_request(plan.machine(), attempts, attempts.failed(exc))
         except BaseException:  # cancelled: counted
             CURRENT_PLAN.reset(token)
-            request.stream = caller_stream
+            request.stream, request.headers = caller_stream, caller_headers
             plan.interrupted()
             raise
         CURRENT_PLAN.reset(token)
-        request.stream = caller_stream
+        request.stream, request.headers = caller_stream, caller_headers
         if response.status_code in RETRIED_STATUSES:
             attempts = _SyncAttempts(self, plan)
             return drive_request(plan.machine(), attempts, attempts.answered(response))
@@ -299,12 +298,21 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
 class _SyncAttempts:
     """The httpx I/O of one guarded request's attempts, for the shared drive loop (`SyncAttemptIO`).
 
-    The one place that changes the caller's ``httpx.Request``: each attempt lends it the attempt's body (and
-    extensions, when the attempt needs its own) instead of copying the request, and gives the caller's back, whatever
-    the attempt's outcome. A request that needs ``Connection: close`` goes out as a new ``httpx.Request``.
+    Each attempt lends the caller's ``httpx.Request`` the attempt's body (and extensions, when the attempt needs its
+    own, and headers with ``Connection: close`` when it carries that) instead of copying the request, and gives the
+    caller's back, whatever the attempt's outcome (as the first attempt sent as it is does, in the transport).
     """
 
-    __slots__ = ("_caller_extensions", "_caller_stream", "_error", "_plan", "_response", "_timeouts", "_transport")
+    __slots__ = (
+        "_caller_extensions",
+        "_caller_headers",
+        "_caller_stream",
+        "_error",
+        "_plan",
+        "_response",
+        "_timeouts",
+        "_transport",
+    )
 
     def __init__(self, transport: GuardTransport, plan: RequestPlan) -> None:
         self._transport = transport
@@ -312,6 +320,7 @@ class _SyncAttempts:
         request = plan.request
         self._caller_extensions: dict[str, Any] = request.extensions
         self._caller_stream = request.stream
+        self._caller_headers = request.headers
         self._response: httpx.Response | None = None
         self._error: Exception | None = None
         self._timeouts: dict[str, Any] | None = None  # the attempt's, while its first-byte deadline is armed
@@ -325,22 +334,20 @@ class _SyncAttempts:
         # transport whose pool is out of reach is followed through httpcore's trace extension instead.
         trace = None if transport._hooked else _SyncTracer(plan)
         extensions = self._extensions(send, trace)
-        body = AttemptBody(plan.body, self._caller_stream)
+        request.extensions = extensions
+        request.stream = AttemptBody(plan.body, self._caller_stream)
         if send.close_connection:
-            sent = with_connection_close(request, body, extensions)
-        else:
-            request.extensions = extensions
-            request.stream = body
-            sent = request
+            request.headers = connection_close_headers(request)
         token = CURRENT_PLAN.set(plan)
         try:
-            response = transport.transport.handle_request(sent)
+            response = transport.transport.handle_request(request)
         except Exception as exc:
             return self.failed(exc)
         finally:
             CURRENT_PLAN.reset(token)
             request.extensions = self._caller_extensions
             request.stream = self._caller_stream
+            request.headers = self._caller_headers
         if trace is not None and not transport._reports_trace_events:
             transport._learn_trace_support(plan, trace.saw_events)
         return self.answered(response)
