@@ -34,6 +34,7 @@ UNASYNC: Rules = (
     (r"\(for a sync client use GuardTransport\)", "(for an async client use AsyncGuardTransport)"),
     (r"an httpx async transport", "an httpx transport"),
     (r"An httpx async transport", "An httpx transport"),
+    (r"_LENDS_BODY = True", "_LENDS_BODY = False"),
     (r"\bAsyncGuardTransport\b", "GuardTransport"),
     (r"\b_AsyncAttempts\b", "_SyncAttempts"),
     (r"\bAsyncAttemptIO\b", "SyncAttemptIO"),

@@ -75,9 +75,7 @@ class GuardMiddleware(GuardAttributes):
             if not guard.origins.is_llama(origin):
                 return await self._pass_through(request, handler, origin)
         body = await request_body(request)
-        plan = guard.plan(
-            RequestView(request), scheme, host, port, origin=origin, overrides=current_options(), body=body
-        )
+        plan = guard.plan(RequestView(request), scheme, host, port, origin, current_options(), body)
         attempts = AiohttpAttempts(plan, handler)
         if not plan.as_is:
             return await drive_request(plan.start(), attempts, BEGIN)

@@ -200,9 +200,7 @@ class PoolGuard(Guard):
         elif content is None:
             content = b""
         view = CallView(pool, call, method)
-        plan = self.plan(
-            view, pool.scheme, pool.host, pool.port, origin=origin, overrides=current_options(), body=content
-        )
+        plan = self.plan(view, pool.scheme, pool.host, pool.port, origin, current_options(), content)
         # What every attempt sends: the caller's call (``call`` is the guard's own dict, made from the arguments),
         # with urllib3's own retries taken out (the guard's loop replaces them, see the module's doc), the body left
         # unread (the guard judges the headers first), and Connection: close on a copy of the headers when the plan
