@@ -3,9 +3,10 @@
 httpcore writes a body by iterating its stream, and abandons the iterator when the write fails (it then reads for
 an answer the server may have sent). httpx's in-memory body is an async generator: abandoned, trio's finalizer warns
 (a ResourceWarning, an error in this suite) when it is collected. The guard sends a body it holds in memory as an
-iterator object on every attempt, the first one included. The server here makes the failure deterministic: it reads
-the headers and part of a body far larger than the socket buffers, so the client is blocked half way through the
-body when the connection is reset; the next connection is answered.
+iterator object on every attempt, the first one included; a one-shot body (``content=`` an async iterable) goes out
+through httpx's generator over it, which the guard closes when the attempt ends. The server here makes the failure
+deterministic: it reads the headers and part of a body far larger than the socket buffers, so the client is blocked
+half way through the body when the connection is reset; the next connection is answered.
 """
 
 from __future__ import annotations
@@ -95,19 +96,42 @@ def server() -> Iterator[ResetMidBody]:
         yield server
 
 
-def _post_under_trio(client_factory: object, url: str) -> tuple[object, list[str]]:
-    """Posts BODY under trio; returns the outcome (a status or an exception's class name) and the messages of the
-    ResourceWarnings seen, collection included."""
+def _lost(outcome: object) -> bool:
+    """The request failed as a reset connection fails it (the guard's classes subclass httpx's)."""
+    return isinstance(outcome, type) and issubclass(
+        outcome, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+    )
+
+
+class OneShot:
+    """An async iterable that can be read once, in chunks, with no generator of its own (so that only httpx's
+    generator over it can be left suspended)."""
+
+    def __init__(self, data: bytes, chunk: int = 1 << 20) -> None:
+        self._chunks = [data[i : i + chunk] for i in range(0, len(data), chunk)]
+
+    def __aiter__(self) -> OneShot:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if not self._chunks:
+            raise StopAsyncIteration
+        return self._chunks.pop(0)
+
+
+def _post_under_trio(client_factory: object, url: str, *, one_shot: bool = False) -> tuple[object, list[str]]:
+    """Posts BODY (``one_shot``: as an async iterable) under trio; returns the outcome (a status or the exception's
+    class) and the messages of the ResourceWarnings seen, collection included."""
     outcome: object = None
 
     async def main() -> None:
         nonlocal outcome
         async with client_factory() as client:  # type: ignore[operator]
             try:
-                response = await client.post(url, content=BODY)
+                response = await client.post(url, content=OneShot(BODY) if one_shot else BODY)
                 outcome = response.status_code
             except httpx.TransportError as exc:
-                outcome = type(exc).__name__
+                outcome = type(exc)
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", ResourceWarning)
@@ -119,7 +143,7 @@ def _post_under_trio(client_factory: object, url: str) -> tuple[object, list[str
 def test_plain_httpx_abandons_its_body_generator(server: ResetMidBody) -> None:
     """The control: plain httpx fails, and its abandoned body generator is warned about."""
     outcome, resource_warnings = _post_under_trio(httpx.AsyncClient, f"http://127.0.0.1:{server.port}/v1/completions")
-    assert outcome in {"RemoteProtocolError", "ReadError", "WriteError"}
+    assert _lost(outcome), outcome
     assert server.connections == 1
     assert any("ByteStream.__aiter__" in message for message in resource_warnings), resource_warnings
 
@@ -136,4 +160,29 @@ def test_the_guard_leaves_no_body_generator_behind(server: ResetMidBody, connect
     outcome, resource_warnings = _post_under_trio(factory, f"http://127.0.0.1:{server.port}/v1/completions")
     assert outcome == 200
     assert server.connections == 2
+    assert resource_warnings == []
+
+
+def test_plain_httpx_abandons_its_generator_over_a_one_shot_body(server: ResetMidBody) -> None:
+    """The control: plain httpx leaves its generator over the caller's async iterable suspended, and it is warned
+    about."""
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    outcome, resource_warnings = _post_under_trio(httpx.AsyncClient, url, one_shot=True)
+    assert _lost(outcome), outcome
+    assert any("AsyncIteratorByteStream.__aiter__" in message for message in resource_warnings), resource_warnings
+
+
+@pytest.mark.parametrize("connection", ["close", "reuse"])
+def test_the_guard_closes_its_generator_over_a_one_shot_body(server: ResetMidBody, connection: str) -> None:
+    """The guard sends a one-shot body once (never again: it cannot), fails as plain httpx does, and closes httpx's
+    generator over it when the attempt ends: nothing is left for trio's finalizer."""
+    policy = GuardPolicy(probe=False, backoff=0.01, connection=connection)
+
+    def factory() -> httpx.AsyncClient:
+        return llama_guard.guard(httpx.AsyncClient(), policy=policy)
+
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    outcome, resource_warnings = _post_under_trio(factory, url, one_shot=True)
+    assert _lost(outcome), outcome
+    assert server.connections == 1  # sent once
     assert resource_warnings == []

@@ -32,6 +32,7 @@ DEADLINE = GuardPolicy(connection="reuse", first_byte_timeout=2.0)
 CLOSE = GuardPolicy(connection="close")
 ADMITTING = GuardPolicy(connection="reuse", connect_admission="always")
 ONE_ATTEMPT = GuardPolicy(connection="reuse", max_attempts=1, max_loading_wait=0)
+DROP = GuardPolicy(connection="reuse", stream_mode="drop")
 
 
 # -- one request's life ---------------------------------------------------------------------------------------------
@@ -105,11 +106,13 @@ REQUEST_ROWS: list[tuple[str, GuardPolicy, RS, Any, Callable[[Any], bool], RS, d
         {"attempts": 1},
     ),
     (
-        "answered-stream",
+        # A stream answered to a request that did not ask for one (this table's plan): not llama-server's stream
+        # close, and its connection is kept (test_a_streams_connection_is_dropped_where_the_request_asked_for_it).
+        "answered-stream-unasked",
         REUSE,
         RS.SENDING,
         request.Answered(200, httpx.Headers(), True),
-        is_(request.Deliver, drop_stream=True),
+        is_(request.Deliver, drop_stream=False),
         RS.DELIVERING,
         {},
     ),
@@ -234,6 +237,31 @@ def test_request_transitions(
     assert check(action), action
     assert machine.state is after
     assert {name: getattr(machine, name) for name in counts} == counts
+
+
+@pytest.mark.parametrize(
+    ("policy", "body", "asks", "dropped"),
+    [
+        (DROP, b'{"stream": true}', True, True),  # the request asked: llama-server closes after the final chunk
+        (DROP, b"{}", False, False),  # it did not: a chunked answer is not llama-server's stream
+        (DROP, None, False, True),  # a one-shot body could not be read: the answer decides
+        (REUSE, b'{"stream": true}', True, False),  # stream_mode="close": closed by the header already
+        (GuardPolicy(connection="reuse", stream_mode="off"), b'{"stream": true}', True, False),
+        (CLOSE, b'{"stream": true}', True, False),  # the close strategy: closed by the header
+    ],
+)
+def test_a_streams_connection_is_dropped_where_the_request_asked_for_it(
+    policy: GuardPolicy, body: bytes | None, asks: bool, dropped: bool
+) -> None:
+    """A streamed answer's connection is dropped after the final chunk when the request asked for a stream (or its
+    body could not be read), under the keep-alive strategy with ``stream_mode="drop"``; the plan says so up front
+    (``drops_streams``), for the drivers' first attempts, and the machine's delivery agrees."""
+    plan = plan_for(policy, body=body, stream=asks)
+    assert plan.drops_streams is dropped
+    machine = plan.start()
+    machine.next(request.BEGIN)
+    action = machine.next(request.Answered(200, httpx.Headers(), True))
+    assert action == request.Deliver(drop_stream=dropped)
 
 
 REQUEST_EVENTS: dict[type | request.RequestSignal, Any] = {

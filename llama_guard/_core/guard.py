@@ -167,7 +167,10 @@ class Guard:
             hooks_follow=hooks_follow,
         )
         # Positional: made for every request, and keywords double what the call costs (about 5,000 instructions).
-        drops_streams = not closes and policy.stream_mode != "off"
+        # A stream's connection the header does not close is dropped; only llama streams need it, and only a body that
+        # asks for one (or could not be read) gets one: other responses skip the check (llama-server sends the rest
+        # with a length).
+        drops_streams = not closes and policy.stream_mode != "off" and (stream or body is None)
         return RequestPlan(
             self, request, origin, policy, stats, body, stream, started, connection, closes, drops_streams, as_is
         )
@@ -187,7 +190,8 @@ class RequestPlan:
     per-request options, no first-byte deadline: ``Connection: close``, when the plan says it, goes on a copy of the
     caller's headers); ``close_connection``: every attempt carries ``Connection: close`` (the close strategy, or a
     llama stream in ``stream_mode="close"``); ``drops_streams``: a stream's connection that the header does not
-    close is dropped after the final chunk; ``given_origin``: the origin when the driver worked it out already."""
+    close is dropped after the final chunk (for a request that asks for a stream, or whose body could not be read);
+    ``given_origin``: the origin when the driver worked it out already."""
 
     guard: Guard
     request: Any

@@ -89,8 +89,9 @@ class OriginStats(GuardStats):
         super().record_retry(reason, stall=stall)
 
     def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
-        """`GuardStats.record_request` for both, in one hold of the lock and one bucket lookup. Once per request, so
-        written out for both rather than through `_count_request` twice (half the instructions)."""
+        """`GuardStats.record_request` for both, in one hold of the lock. Once per request, so written out for both
+        rather than through `GuardStats.record_request` twice (half the instructions); the first byte goes to this
+        account's histogram alone, which the parent's snapshot merges (`GuardStats.snapshot`)."""
         parent = self._parent()
         lock = self._lock
         lock.acquire()
@@ -99,14 +100,13 @@ class OriginStats(GuardStats):
             self.attempts += attempts
             if closed_by_header:
                 self.stream_connections_closed += 1
-            bucket = None if first_byte is None else self.first_byte.record(first_byte)
+            if first_byte is not None:
+                self.first_byte.record(first_byte)
             if parent is not None:
                 parent.requests += 1
                 parent.attempts += attempts
                 if closed_by_header:
                     parent.stream_connections_closed += 1
-                if bucket is not None:
-                    parent.first_byte.record_at(bucket, first_byte)  # type: ignore[arg-type]
         finally:
             lock.release()
 

@@ -370,8 +370,7 @@ class RequestMachine:
 
     def _deliver(self) -> Deliver:
         self.state = RequestState.DELIVERING
-        plan = self.plan
-        return Deliver(self.streaming and not plan.close_connection and plan.policy.stream_mode != "off")
+        return Deliver(self.streaming and self.plan.drops_streams)
 
     # -- verdicts ---------------------------------------------------------------------------------------------------
 

@@ -84,7 +84,7 @@ class LatencyHistogram:
         return sum(self._buckets)
 
     def record(self, seconds: float) -> int:
-        """Count a sample; returns its bucket, for `record_at` in a second histogram."""
+        """Count a sample; returns its bucket."""
         # Once per request, so lean: comparisons rather than max()/min() calls, no sample count.
         if seconds > _MIN_SECONDS:
             index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
@@ -98,15 +98,6 @@ class LatencyHistogram:
         self._buckets[index] += 1
         self._total += seconds
         return index
-
-    def record_at(self, index: int, seconds: float) -> None:
-        """`record` a sample whose bucket another histogram's `record` returned (one logarithm for both)."""
-        if seconds < 0.0:
-            seconds = 0.0
-        if seconds > self._max:
-            self._max = seconds
-        self._buckets[index] += 1
-        self._total += seconds
 
     def percentile(self, percent: float) -> float:
         """The smallest bucket bound below which ``percent`` % of the samples fall (0.0 with no samples)."""
@@ -314,29 +305,19 @@ class GuardStats:
 
     def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
         """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
-        went out with ``Connection: close``. One lock for all (acquire/release: cheaper than ``with``, per request)."""
+        went out with ``Connection: close``. One lock for all (acquire/release: cheaper than ``with``, per request).
+        A transport counts through its origins' accounts (`OriginStats.record_request`), not here."""
         lock = self._lock
         lock.acquire()
         try:
-            self._count_request(attempts, first_byte, closed_by_header)
+            self.requests += 1
+            self.attempts += attempts
+            if closed_by_header:
+                self.stream_connections_closed += 1
+            if first_byte is not None:
+                self.first_byte.record(first_byte)
         finally:
             lock.release()
-
-    def _count_request(
-        self, attempts: int, first_byte: float | None, closed_by_header: bool, bucket: int | None = None
-    ) -> int | None:
-        """`record_request`'s counts, under the caller's hold of the lock; ``bucket``: the first byte's histogram
-        bucket when another histogram worked it out already. Returns that bucket."""
-        self.requests += 1
-        self.attempts += attempts
-        if closed_by_header:
-            self.stream_connections_closed += 1
-        if first_byte is None:
-            return None
-        if bucket is None:
-            return self.first_byte.record(first_byte)
-        self.first_byte.record_at(bucket, first_byte)
-        return bucket
 
     def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
         """A probe ended: answered in ``seconds`` (``rescued``: after a kick), or failed (``given_up``: its deadline
@@ -369,11 +350,17 @@ class GuardStats:
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
+            first_byte = self.first_byte
+            if self._by_origin:  # an account keeps its requests' first bytes alone (`OriginStats.record_request`)
+                first_byte = LatencyHistogram()
+                first_byte.merge(self.first_byte)
+                for account in self._by_origin.values():
+                    first_byte.merge(account.first_byte)
             return StatsSnapshot(
                 **{name: getattr(self, name) for name in COUNTERS},
                 errors=dict(self.errors),
                 retries_by_reason=dict(self.retries_by_reason),
-                first_byte=self.first_byte.summary(),
+                first_byte=first_byte.summary(),
                 probe_latency=self.probe_latency.summary(),
                 admission_wait=self.admission_wait.summary(),
                 public_path=self.public_path,

@@ -340,7 +340,7 @@ class _AsyncAttempts:
         trace = None if transport._hooked else _AsyncTracer(plan)
         extensions = self._extensions(send, trace)
         request.extensions = extensions
-        request.stream = AttemptBody(plan.body, self._caller_stream)
+        body = request.stream = AttemptBody(plan.body, self._caller_stream)
         if send.close_connection:
             request.headers = connection_close_headers(request)
         token = CURRENT_PLAN.set(plan)
@@ -353,6 +353,8 @@ class _AsyncAttempts:
             request.extensions = self._caller_extensions
             request.stream = self._caller_stream
             request.headers = self._caller_headers
+            if plan.body is None:  # a one-shot body: its iterator, which a failed write leaves suspended
+                await body.aclose()
         if trace is not None and not transport._reports_trace_events:
             transport._learn_trace_support(plan, trace.saw_events)
         return self.answered(response)

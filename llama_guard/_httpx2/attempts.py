@@ -39,32 +39,43 @@ class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):
 
     An iterator object rather than httpx's async generator: when a write fails half way (a dead pooled
     connection), httpcore abandons the body's iterator, and an abandoned async generator makes trio's finalizer
-    warn (a ResourceWarning) long after the request was retried and answered.
+    warn (a ResourceWarning) long after the request was retried and answered. For a one-shot body the iterator is
+    httpx's generator over the caller's: the attempt closes it when it ends (`close`, `aclose`).
     """
 
-    __slots__ = ("_content", "_stream")
+    __slots__ = ("_content", "_iterator", "_stream")
 
     def __init__(self, content: bytes | None, stream: Any) -> None:
         self._content = content
         self._stream = stream
+        self._iterator: Any = None  # a one-shot body's iterator, once an attempt started it
 
     def __iter__(self) -> Iterator[bytes]:
         if self._content is not None:
             return iter((self._content,))
-        return iter(self._stream)
+        iterator = self._iterator = iter(self._stream)
+        return iterator  # type: ignore[no-any-return]
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         if self._content is not None:
             return _OneChunk(self._content)
-        return self._stream.__aiter__()  # type: ignore[no-any-return]
+        iterator = self._iterator = self._stream.__aiter__()
+        return iterator  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        if self._content is None:
-            self._stream.close()
+        """The attempt ended: close the one-shot body's iterator it started, if httpcore left it suspended. The
+        caller's stream itself is left as it is."""
+        iterator, self._iterator = self._iterator, None
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()
 
     async def aclose(self) -> None:
-        if self._content is None:
-            await self._stream.aclose()
+        """`close` for an async attempt: an async generator left suspended makes trio's finalizer warn."""
+        iterator, self._iterator = self._iterator, None
+        close = getattr(iterator, "aclose", None)
+        if close is not None:
+            await close()
 
 
 class _OneChunk:
