@@ -19,15 +19,7 @@ from .._core.log import without_quoted_values
 from .._core.request_machine import Fail, Failed
 from .exceptions import FirstByteTimeout, failure_kind, guarded_error
 
-__all__ = ["AttemptBody", "caller_error", "connection_close_headers", "judged_failure", "request_body"]
-
-
-def request_body(request: httpx.Request) -> bytes | None:
-    """The request body when it is held in memory (and so can be inspected and sent again), else None."""
-    try:
-        return request.content
-    except httpx.RequestNotRead:
-        return None  # a one-shot stream: it cannot be inspected, or sent twice
+__all__ = ["AttemptBody", "caller_error", "connection_close_headers", "judged_failure"]
 
 
 class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):

@@ -39,7 +39,7 @@ from .._core.stats import GuardStats
 from .._drive.async_drive import advance_connection, drive_request
 from .._runtime import PROCESS
 from .async_connections import AsyncStreamIO, negotiated_http2, track_connections
-from .attempts import AttemptBody, caller_error, connection_close_headers, judged_failure, request_body
+from .attempts import AttemptBody, caller_error, connection_close_headers, judged_failure
 from .internals import (
     bypassing_mounts,
     cap_keepalive_expiry,
@@ -49,6 +49,7 @@ from .internals import (
     http_versions,
     is_direct_pool,
     network_backend,
+    request_parts,
     streaming_check,
     unix_socket_path,
 )
@@ -125,6 +126,7 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         # Whether HTTP/2 may carry a request (no Connection: close there).
         self._http1, self._http2 = http_versions(self._transport)
         self._is_streaming = streaming_check(untested is None)
+        self._request_parts = request_parts(untested is None)
         self._every_origin = self._guard.origins.every_origin  # read for every request: a plain attribute
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
@@ -180,16 +182,15 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
             origin = Origin.of_url(request.url)
             if not guard.origins.is_llama(origin):
                 return await self._pass_through(request, origin)
-        url = request.url
-        scheme = url.scheme
+        scheme, host, port, body = self._request_parts(request)
         plan = guard.plan(
             request,
             scheme,
-            url.host,
-            url.port,
+            host,
+            port,
             origin,
             request.extensions.get(EXTENSION),
-            request_body(request),
+            body,
             not self._http2 or (self._http1 and scheme == "http"),  # may close: HTTP/2 forbids the header
             self._hooked,
         )

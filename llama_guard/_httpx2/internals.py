@@ -45,6 +45,7 @@ __all__ = [
     "pool_speaks_http1",
     "remove_instance_method",
     "replace_client_transports",
+    "request_parts",
     "set_instance_method",
     "streaming_check",
     "unix_socket_path",
@@ -210,6 +211,29 @@ def _is_streaming_response_fast(headers: Any) -> bool:
         elif name == b"transfer-encoding" and value.lower().find(b"chunked") != -1:
             return True
     return False
+
+
+def _request_parts_fast(request: Any) -> tuple[str, str, int | None, bytes | None]:
+    """A request's URL scheme, host and port and its body when held in memory, from ``URL._uri_reference`` and
+    ``Request._content``: one call per request where the public properties take four (the host stays IDNA-encoded,
+    as httpcore sends it)."""
+    reference = request.url._uri_reference
+    return reference.scheme, reference.host, reference.port, getattr(request, "_content", None)
+
+
+def _request_parts(request: Any) -> tuple[str, str, int | None, bytes | None]:
+    """`_request_parts_fast` through the public API."""
+    url = request.url
+    try:
+        body: bytes | None = request.content
+    except httpx.RequestNotRead:
+        body = None  # a one-shot stream: it cannot be inspected, or sent twice
+    return url.scheme, url.host, url.port, body
+
+
+def request_parts(tested: bool) -> Callable[[Any], tuple[str, str, int | None, bytes | None]]:
+    """How the transport reads a request's URL parts and in-memory body: the fast way on tested versions."""
+    return _request_parts_fast if tested else _request_parts
 
 
 def streaming_check(tested: bool) -> Callable[[Any], bool]:
