@@ -12,6 +12,7 @@ import asyncio
 import logging
 import subprocess
 import sys
+import typing
 from collections.abc import Iterator
 
 import pytest
@@ -421,3 +422,65 @@ def test_a_unix_socket_session_is_said_not_probed(racy_server: LlamaServerEmulat
     assert "not an aiohttp.TCPConnector" in (snapshot.public_path or "")
     assert snapshot.stream_connections_closed == 3
     assert racy_server.stats().requests_dropped_after_stream == 0
+
+
+def _request_class_closing_connections(count: int) -> type[aiohttp.ClientRequest]:
+    """A `aiohttp.ClientRequest` that does, for its first ``count`` requests, what aiohttp's eagerly started body
+    writer does when the server closes the connection between the body and its end: it closes the connection
+    before the response is started (aiohttp 3.12 and later on Python 3.12 and later; a race on the wire, made
+    certain here)."""
+    left = [count]
+
+    class ClosingRequest(aiohttp.ClientRequest):
+        async def send(self, conn: aiohttp.connector.Connection) -> aiohttp.ClientResponse:
+            response = await super().send(conn)
+            if left[0] > 0:
+                left[0] -= 1
+                conn.close()
+            return response
+
+    return ClosingRequest
+
+
+def test_a_connection_closed_while_the_request_is_written_is_a_server_disconnect() -> None:
+    """aiohttp reports it as ``AttributeError: 'NoneType' object has no attribute 'read'`` (the control); the guard
+    as the server's disconnect it is, judged by how far the request got: a GET is sent again and answered, a
+    one-shot body is not resent and fails as a `aiohttp.ServerDisconnectedError` that says the guard's account."""
+
+    async def one_shot_body() -> typing.AsyncIterator[bytes]:
+        yield b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+
+    async def scenario(url: str) -> tuple[BaseException | None, int, BaseException | None]:
+        plain_error = None
+        async with aiohttp.ClientSession(url, request_class=_request_class_closing_connections(1)) as plain:
+            try:
+                await plain.get("/v1/models")
+            except Exception as exc:
+                plain_error = exc
+        one = _request_class_closing_connections(1)
+        async with guard_aiohttp.guarded_session(url, request_class=one) as guarded, guarded.get("/v1/models") as got:
+            result = guard_aiohttp.guard_result(got)
+            assert got.status == 200
+            assert result is not None
+            attempts = result.attempts
+        upload_error = None
+        async with guard_aiohttp.guarded_session(url, request_class=_request_class_closing_connections(1)) as session:
+            try:
+                await session.post(CHAT, data=one_shot_body(), headers={"Content-Type": "application/json"})
+            except Exception as exc:
+                upload_error = exc
+        return plain_error, attempts, upload_error
+
+    with LlamaServerEmulator(pool_bug=False) as server:
+        plain_error, attempts, upload_error = asyncio.run(scenario(server.url))
+    assert isinstance(plain_error, AttributeError), plain_error
+    assert attempts == 2
+    assert isinstance(upload_error, aiohttp.ServerDisconnectedError), upload_error
+    assert isinstance(upload_error, llama_guard.GuardError), upload_error
+    assert upload_error.attempts == 1
+    causes = []
+    cause: BaseException | None = upload_error
+    while cause is not None:
+        causes.append(type(cause))
+        cause = cause.__cause__
+    assert AttributeError in causes, causes  # aiohttp's own report stays in the chain

@@ -23,7 +23,7 @@ from .._core.guard import RequestPlan
 from .._core.log import without_quoted_values
 from .._core.request_machine import ERROR_BODY_READ, Answered, Fail, Failed, RequestSignal, Send
 from .._core.result import GuardResult
-from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error
+from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error, translate
 from .internals import drop_after_response, fail_body_on_connection_loss
 
 __all__ = ["ATTEMPT_DEADLINE", "RESULTS", "AiohttpAttempts", "RequestView", "drop_stream", "plan_of", "request_body"]
@@ -128,7 +128,7 @@ class AiohttpAttempts:
                 f"{plan.policy.first_byte_timeout:g} s; the connection was discarded"
             )
             return Failed(FailureKind.FIRST_BYTE_TIMEOUT, "FirstByteTimeout", str(self._error))
-        self._error = exc
+        self._error = exc = translate(exc)
         kind = failure_kind(exc)
         if kind is not None and body_error(exc):
             plan.machine().headers_received()  # the headers were parsed: the attempt got as far as the response

@@ -34,6 +34,7 @@ __all__ = [
     "failure_kind",
     "guarded_error",
     "probe_error",
+    "translate",
 ]
 
 
@@ -64,6 +65,31 @@ def probe_error(cls: type[ProbeTimeout | ProbeError], request: aiohttp.ClientReq
     error = cls(request.connection_key, OSError(code, message))
     error.__dict__["llama_guard_message"] = message  # replaced by the guard's account if it gives up
     return error
+
+
+def translate(exc: Exception) -> Exception:
+    """aiohttp's own error for a failure that aiohttp reports as a bug in itself, else ``exc``.
+
+    aiohttp 3.12 and later on Python 3.12 and later start the request body's writer eagerly: when the server closes
+    the connection between the body and its end (``write_eof``), the writer closes the connection before the
+    response is started, and ``ClientResponse.start`` fails on ``None.read`` with an ``AttributeError`` (plain
+    aiohttp raises it as is). It is the server closing a written request's connection: `ServerDisconnectedError`,
+    judged as any other by how far the request got."""
+    if isinstance(exc, AttributeError) and exc.obj is None and exc.name == "read" and _raised_in_response_start(exc):
+        error = aiohttp.ServerDisconnectedError("the server closed the connection while the request was written")
+        error.__cause__ = exc
+        return error
+    return exc
+
+
+def _raised_in_response_start(exc: BaseException) -> bool:
+    traceback = exc.__traceback__
+    while traceback is not None and traceback.tb_next is not None:
+        traceback = traceback.tb_next
+    if traceback is None:
+        return False
+    code = traceback.tb_frame.f_code
+    return code.co_name == "start" and code.co_filename.endswith(("client_reqrep.py", "client_reqrep.pyc"))
 
 
 def failure_kind(exc: BaseException) -> FailureKind | None:
