@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import NamedTuple
 
-__all__ = ["EXTENSION", "GuardResult", "new_result"]
+__all__ = ["EXTENSION", "GuardResult"]
 
 # The key of the guard's per-request options (request.extensions) and results (response.extensions).
 EXTENSION = "llama_guard"
@@ -39,8 +37,3 @@ class GuardResult(NamedTuple):
     history: tuple[str, ...] = ()
     connection: str = "reuse"
 
-
-# GuardResult._make without its Python-level checks (built for every request).
-new_result: Callable[[tuple[int, int, float, bool, bool, tuple[str, ...], str]], GuardResult] = functools.partial(
-    tuple.__new__, GuardResult
-)
