@@ -1,0 +1,85 @@
+"""Which of the guard's files one guarded request passes through, traced at run time (issue 23's "files crossed").
+
+A fresh guarded client sends one chat completion to the emulator, so its connection is new; every call into a
+``llama_guard`` module (the emulator left out) is recorded in order. Prints, per stack and connection strategy, the
+distinct files and the number of crossings (a call into a file other than the previous call's)::
+
+    python scripts/files_crossed.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from types import FrameType
+from typing import Any, Literal
+
+import httpx
+
+import llama_guard
+from llama_guard.testing import LlamaServerEmulator
+
+Strategy = Literal["close", "reuse"]
+ROOT = os.path.dirname(llama_guard.__file__)
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+class Crossings:
+    """The guard's files entered while installed as the profiler, in order, repeats in a row folded."""
+
+    def __init__(self) -> None:
+        self.files: list[str] = []
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        path = frame.f_code.co_filename
+        if event != "call" or not path.startswith(ROOT) or f"{os.sep}testing{os.sep}" in path:
+            return
+        name = os.path.relpath(path, ROOT)
+        if not self.files or self.files[-1] != name:
+            self.files.append(name)
+
+    def line(self, label: str) -> str:
+        distinct = sorted(set(self.files))
+        return f"{label}: {len(distinct)} files, {len(self.files)} crossings\n    " + "\n    ".join(distinct)
+
+
+def sync_request(url: str, connection: Strategy) -> Crossings:
+    policy = llama_guard.GuardPolicy(connection=connection)
+    with httpx.Client(transport=llama_guard.GuardTransport(policy=policy)) as warm:
+        warm.get(f"{url}/health")  # first-time imports and set-up out of the way
+    crossings = Crossings()
+    with httpx.Client(transport=llama_guard.GuardTransport(policy=policy)) as client:
+        sys.setprofile(crossings)
+        try:
+            client.post(f"{url}/v1/chat/completions", json=CHAT)
+        finally:
+            sys.setprofile(None)
+    return crossings
+
+
+async def async_request(url: str, connection: Strategy) -> Crossings:
+    policy = llama_guard.GuardPolicy(connection=connection)
+    async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as warm:
+        await warm.get(f"{url}/health")
+    crossings = Crossings()
+    async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as client:
+        sys.setprofile(crossings)
+        try:
+            await client.post(f"{url}/v1/chat/completions", json=CHAT)
+        finally:
+            sys.setprofile(None)
+    return crossings
+
+
+def main() -> int:
+    with LlamaServerEmulator(pool_bug=False) as server:
+        strategies: tuple[Strategy, ...] = ("reuse", "close")
+        for connection in strategies:
+            print(sync_request(server.url, connection).line(f"httpx sync, {connection}"))
+            print(asyncio.run(async_request(server.url, connection)).line(f"httpx asyncio, {connection}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
