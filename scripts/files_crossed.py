@@ -26,22 +26,42 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 class Crossings:
-    """The guard's files entered while installed as the profiler, in order, repeats in a row folded."""
+    """The guard's files entered while installed as the profiler, in order, repeats in a row folded; and which of
+    them called on into another of the guard's files (the path) rather than only returning (leaf helpers: pure
+    functions, counters)."""
 
     def __init__(self) -> None:
         self.files: list[str] = []
+        self.callers: set[str] = set()
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        path = frame.f_code.co_filename
-        if event != "call" or not path.startswith(ROOT) or f"{os.sep}testing{os.sep}" in path:
+        name = _guard_file(frame)
+        if event != "call" or name is None:
             return
-        name = os.path.relpath(path, ROOT)
         if not self.files or self.files[-1] != name:
             self.files.append(name)
+        caller = frame.f_back
+        while caller is not None and _guard_file(caller) is None:
+            caller = caller.f_back
+        caller_name = None if caller is None else _guard_file(caller)
+        if caller_name is not None and caller_name != name:
+            self.callers.add(caller_name)
 
     def line(self, label: str) -> str:
         distinct = sorted(set(self.files))
-        return f"{label}: {len(distinct)} files, {len(self.files)} crossings\n    " + "\n    ".join(distinct)
+        path = [name for name in distinct if name in self.callers]
+        leaves = [name for name in distinct if name not in self.callers]
+        return (
+            f"{label}: {len(distinct)} files, {len(self.files)} crossings; {len(path)} on the path: "
+            f"{', '.join(path)}; {len(leaves)} leaf helpers: {', '.join(leaves)}"
+        )
+
+
+def _guard_file(frame: FrameType) -> str | None:
+    path = frame.f_code.co_filename
+    if not path.startswith(ROOT) or f"{os.sep}testing{os.sep}" in path:
+        return None
+    return os.path.relpath(path, ROOT)
 
 
 def sync_request(url: str, connection: Strategy) -> Crossings:

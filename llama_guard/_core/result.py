@@ -36,4 +36,3 @@ class GuardResult(NamedTuple):
     connection_closed: bool
     history: tuple[str, ...] = ()
     connection: str = "reuse"
-

@@ -310,14 +310,18 @@ class GuardStats:
         lock = self._lock
         lock.acquire()
         try:
-            self.requests += 1
-            self.attempts += attempts
-            if closed_by_header:
-                self.stream_connections_closed += 1
+            self._count_request(attempts, closed_by_header)
             if first_byte is not None:
                 self.first_byte.record(first_byte)
         finally:
             lock.release()
+
+    def _count_request(self, attempts: int, closed_by_header: bool) -> None:
+        """A request's counts, the lock held (`record_request`; an origin's account and its parent in one hold)."""
+        self.requests += 1
+        self.attempts += attempts
+        if closed_by_header:
+            self.stream_connections_closed += 1
 
     def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
         """A probe ended: answered in ``seconds`` (``rescued``: after a kick), or failed (``given_up``: its deadline
