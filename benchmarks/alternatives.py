@@ -6,8 +6,8 @@ loads are ``reliability.py``'s):
 * **proxy-like**: seed 003's load: 16 threads share one client with a 4-connection pool, every other request
   streamed (read to the end), ``--requests`` per block, server with default flags.
 * **burst**: seed 000's burst: ``--threads-http 4``, 32 connections opened at once (``open_burst``), one per client,
-  each client then asking for completions back to back for ``--seconds``; ``--hogs`` CPU-bound processes beside
-  the server.
+  each client then asking for a completion every ``--interval`` seconds (0.2, as the seed; 0: back to back) for
+  ``--seconds``; ``--hogs`` CPU-bound processes beside the server.
 * **saturated**: the same burst while every inference slot (``--parallel 2``) generates 256-token completions
   (``_saturate.py``; its clients talk to the server directly).
 
@@ -362,7 +362,7 @@ def run_block(
                             )
                             for sock in sockets
                         ]
-                        block, counters = drive_burst(clients, kind, run, args.seconds)
+                        block, counters = drive_burst(clients, kind, run, args.seconds, interval=args.interval)
                         reasons = strategy_reasons(clients)
                     block.guard = counters
         finally:
@@ -591,6 +591,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=3, help="interleaved runs of every cell (default 3)")
     parser.add_argument("--seconds", type=float, default=10.0, help="length of one burst (default 10)")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.2,
+        help="in the bursts, each client asks for a completion every this many seconds, as seed 000's burst does "
+        "(default 0.2; 0: back to back, the load of the sets before 2026-12-05)",
+    )
     parser.add_argument("--requests", type=int, default=400, help="proxy-like requests per block (default 400)")
     parser.add_argument("--hogs", type=int, default=2, help="CPU-bound processes beside the server in the bursts")
     parser.add_argument(
@@ -623,8 +630,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenario or round trip: {unknown}")
     if unknown := [k for k in kinds if k not in (*KINDS, *FIXED_KINDS)]:
         parser.error(f"--kinds: unknown {unknown}; known: {', '.join((*KINDS, *FIXED_KINDS))}")
-    if args.runs < 1 or args.seconds <= 0 or args.requests < PROXY_THREADS:
-        parser.error(f"--runs >= 1, --seconds > 0, --requests >= {PROXY_THREADS}")
+    if args.runs < 1 or args.seconds <= 0 or args.requests < PROXY_THREADS or not 0 <= args.interval < args.seconds:
+        parser.error(f"--runs >= 1, --seconds > 0, 0 <= --interval < --seconds, --requests >= {PROXY_THREADS}")
 
     if args.report:
         saved, meta = load(args.report)
@@ -691,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                         results.append(result)
     if hasattr(os, "getloadavg"):
         print(f"load average at the end: {os.getloadavg()[0]:.2f} (1 min) {os.getloadavg()[1]:.2f} (5 min)")
-    meta = {"hogs": args.hogs, "seconds": args.seconds, "scenarios": scenarios, "trips": trips}
+    meta = {"hogs": args.hogs, "seconds": args.seconds, "interval": args.interval}
+    meta.update(scenarios=scenarios, trips=trips)
     if args.save:
         args.save.write_text(json.dumps({"meta": meta, "results": [dataclasses.asdict(r) for r in results]}))
         print(f"saved {len(results)} blocks to {args.save}")
@@ -714,12 +722,14 @@ def load(path: Path) -> tuple[list[Result], dict[str, Any]]:
 def report(results: Sequence[Result], meta: dict[str, Any], out: Path) -> None:
     """The tables, pictures and checks of one set of results."""
     scenarios, trips, hogs, seconds = meta["scenarios"], meta["trips"], meta["hogs"], meta["seconds"]
+    interval = meta.get("interval", 0.0)  # sets saved before --interval: back to back
+    pace = f", a request every {interval:g} s per client" if interval else ", requests back to back"
     print()
     conditions = {
         "proxy-like": "server with default flags (--parallel 4), no CPU-bound processes added",
-        "burst": f"--threads-http 4, {hogs} CPU-bound processes beside the server",
+        "burst": f"--threads-http 4, {hogs} CPU-bound processes beside the server{pace}",
         "saturated": f"--threads-http 4 --parallel {SATURATE_SLOTS}, every slot generating {SATURATE_TOKENS}-token "
-        f"completions, {hogs} CPU-bound processes beside the server",
+        f"completions, {hogs} CPU-bound processes beside the server{pace}",
     }
     for scenario in scenarios:
         print(f"{SCENARIO_TEXT[scenario]}:")

@@ -369,10 +369,11 @@ def _burst(
 
 
 def drive_burst(
-    clients: Sequence[httpx.Client], kind: str, round_index: int, seconds: float
+    clients: Sequence[httpx.Client], kind: str, round_index: int, seconds: float, *, interval: float = 0.0
 ) -> tuple[Block, dict[str, int]]:
-    """Each client sends non-streamed requests back to back for ``seconds`` (all starting together); closes the
-    clients. The block (first response per client) and the guard's counters summed over the clients."""
+    """Each client sends non-streamed requests for ``seconds`` (all starting together), back to back or
+    (``interval``) one every ``interval`` seconds, the next at once when one took longer; closes the clients. The
+    block (first response per client) and the guard's counters summed over the clients."""
     outcomes: list[list[Outcome]] = [[] for _ in clients]
     first_responses: list[float | None] = [None] * len(clients)
     barrier = threading.Barrier(len(clients) + 1)
@@ -382,7 +383,14 @@ def drive_burst(
         client = clients[index]
         barrier.wait()
         start, deadline = clock["start"], clock["deadline"]
+        due = start
         while (remaining := deadline - time.perf_counter()) > 0:
+            if interval:  # the client's pace, as a user's loop would keep it: a load, not a wait for a race
+                if due >= deadline:
+                    break
+                time.sleep(max(0.0, due - time.perf_counter()))
+                due = max(due + interval, time.perf_counter())
+                remaining = deadline - time.perf_counter()
             # The run ends at the deadline: a request still waiting then is cut, not failed.
             timeout = httpx.Timeout(10.0, read=remaining, pool=remaining)
             outcome = one_request(client, stream=False, timeout=timeout)
