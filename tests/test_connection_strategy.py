@@ -11,12 +11,14 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections import deque
 
 import httpx
 import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy
+from llama_guard._core import connection_machine as connection
 from llama_guard._core.connection_strategy import (
     CLOSE_COST_SHARE,
     FORCED_REUSE,
@@ -33,6 +35,7 @@ from llama_guard._runtime import PROCESS
 from llama_guard.testing import LlamaServerEmulator
 
 from ._drivers import FLAVORS, close_driver, make_driver, run_scenario
+from ._machines import URL, fresh_origins, machine_for, probing
 from .test_mechanisms import CHAT, chat
 
 
@@ -61,6 +64,7 @@ def test_loopback_hosts(host: str, loopback: bool) -> None:
 
 
 REMOTE = Origin("http", "10.1.2.3", 8080)
+REMOTE_URL_ORIGIN = Origin.of_url(httpx.URL(URL))  # the origin of the machines' requests (tests/_machines.py)
 
 
 @pytest.mark.parametrize(
@@ -426,3 +430,29 @@ def test_a_measured_reuse_turns_to_close_when_its_new_connections_stall() -> Non
     (why,) = data["why"].values()
     assert why.startswith("close (measured: a new connection stalled while connections were kept"), why
     assert data["after"] == ["close"] * 4, data
+
+
+def test_while_measuring_only_the_connections_that_take_a_sample_are_probed() -> None:
+    """auto, measuring: the first MIN_CONNECTS new connections are probed for their cost; the next is not (a probed
+    connection holds a server thread for a round trip before its request) and teaches nothing (its connect alone
+    would read cheaper); a sample whose probe ended unanswered frees its place."""
+    assert MIN_CONNECTS == 2
+    process = fresh_origins()
+    first = probing(machine_for(GuardPolicy(), process=process))
+    second = probing(machine_for(GuardPolicy(), process=process))
+    third = connection.ConnectionMachine(machine_for(GuardPolicy(), process=process))
+    assert third.next(connection.Opening()) is connection.OPEN
+    assert third.next(connection.Opened()) is connection.READY
+    assert process.connections.of(REMOTE_URL_ORIGIN)._connects == deque()
+    assert isinstance(first.machine.next(connection.WRITTEN), connection.Read)
+    assert isinstance(first.machine.next(connection.CANCELLED), connection.Abort)  # unanswered: no sample
+    fourth = probing(machine_for(GuardPolicy(), process=process))  # takes the freed place
+    fifth = connection.ConnectionMachine(machine_for(GuardPolicy(), process=process))
+    assert fifth.next(connection.Opening()) is connection.OPEN
+    assert fifth.next(connection.Opened()) is connection.READY
+    for probe in (second, fourth):
+        assert isinstance(probe.machine.next(connection.WRITTEN), connection.Read)
+        probe.clock.now += 0.004
+        answer = b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"status":"ok"}'
+        assert probe.machine.next(connection.Received(answer)) is connection.READY
+    assert list(process.connections.of(REMOTE_URL_ORIGIN)._connects) == [0.004, 0.004]

@@ -37,6 +37,7 @@ from .probe import ProbeAnswer, ProbeExchange, ProbeProtocolError, probe_deadlin
 from .request_machine import MAX_SOCKET_WAIT
 
 if TYPE_CHECKING:
+    from .connection_strategy import OriginConnections
     from .request_machine import RequestMachine
 
 __all__ = [
@@ -281,8 +282,10 @@ class ConnectionMachine:
         "_kick_host",
         "_kick_path",
         "_kicks",
+        "_measures",
         "_number",
         "_probing",
+        "_sample",
         "_socket",
         "_started",
         "_tls_later",
@@ -307,6 +310,10 @@ class ConnectionMachine:
         self.state = ConnectionState.NEW
         self._admission: Admission[Any] | None = None
         self._probing = False
+        # While auto measures: whether this connection teaches what it cost, and the origin's measurements when its
+        # probe takes a sample (`OriginConnections.start_sample`).
+        self._measures = False
+        self._sample: OriginConnections | None = None
         self._tls_later = False
         self._kick_host: str | None = None
         self._kick_path: str | None = None
@@ -357,7 +364,16 @@ class ConnectionMachine:
                 "the pool speaks HTTP/2 only (h2c with prior knowledge, http1=False), unlike llama-server"
             )
             probing = False
-        self._probing = probing and plan.origin not in plan.guard.unprobeable
+        probing = probing and plan.origin not in plan.guard.unprobeable
+        if not plan.connection.final:  # auto measures: only the connections that take a sample are probed
+            self._measures = True
+            if probing:
+                sample = plan.guard.process.connections.of(plan.origin)
+                if sample.start_sample():
+                    self._sample = sample
+                else:  # its connect alone would read cheaper than the probed samples: it teaches nothing
+                    probing = self._measures = False
+        self._probing = probing
         probes = plan.origin_probes
         if self._probing and event.admits and not event.tls_later and probes.admission_needed(plan.policy):
             self.state = ConnectionState.ADMITTING
@@ -383,7 +399,7 @@ class ConnectionMachine:
             self.state = ConnectionState.AWAITING_TLS
             return AWAIT_TLS
         request = self.request
-        connect_seconds = None if request.plan.connection.final else self._clock() - self.opening_started
+        connect_seconds = self._clock() - self.opening_started if self._measures else None
         if self._probing and event.h2:
             # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
             self._probing_off("the connection negotiated HTTP/2 (ALPN h2), which llama-server does not speak")
@@ -623,6 +639,10 @@ class ConnectionMachine:
 
     def _end(self) -> None:
         self.state = ConnectionState.DONE
+        sample = self._sample
+        if sample is not None:
+            self._sample = None
+            sample.end_sample()
         admission = self._admission
         if admission is not None:
             self._admission = None

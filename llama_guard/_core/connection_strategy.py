@@ -15,7 +15,8 @@ network round trip (more with TLS) elsewhere, where reusing connections and prob
   the one the probe would protect, and nothing idles to stall it).
 - ``"reuse"``: keep-alive, the probe on new connections, kicks, stream close.
 - ``"auto"`` (default): close for a loopback address or a Unix socket, at once. Elsewhere close while measuring,
-  each new connection probed (its round trip is part of what it costs); once `MIN_CONNECTS` new connections and
+  the first `MIN_CONNECTS` new connections probed (its round trip is part of what one costs; the others are not,
+  `OriginConnections.start_sample`); once `MIN_CONNECTS` new connections and
   `MIN_REQUESTS` requests were seen, close if a new connection costs at most `CLOSE_COST_SHARE` of the origin's
   median request time, else reuse. Closing while measuring keeps a process's first burst of connections from
   stalling on the server: nothing idles on its threads, where keep-alive connections opened together would hold
@@ -107,7 +108,7 @@ REUSE_UNDECIDED = ConnectionChoice("reuse", "not chosen", final=False)
 class OriginConnections:
     """What the guard measured of one origin's connections, and the ``"auto"`` choice made from it. Thread-safe."""
 
-    __slots__ = ("_announced", "_choice", "_connects", "_lock", "_requests", "origin")
+    __slots__ = ("_announced", "_choice", "_connects", "_lock", "_requests", "_sampling", "origin")
 
     def __init__(self, origin: Origin) -> None:
         self.origin = origin
@@ -116,6 +117,7 @@ class OriginConnections:
         self._requests: deque[float] = deque(maxlen=_WINDOW)
         self._choice: ConnectionChoice | None = None
         self._announced: set[ConnectionChoice] = set()
+        self._sampling = 0  # probes under way for a sample of what a new connection costs
 
     def first_announcement(self, choice: ConnectionChoice) -> bool:
         """True the first time ``choice`` is announced for this origin (the log says each choice once)."""
@@ -154,6 +156,23 @@ class OriginConnections:
             f"connections, {requests} of {MIN_REQUESTS} requests seen",
             final=False,
         )
+
+    def start_sample(self) -> bool:
+        """Whether a new connection opened while measuring is probed for a sample of what a new connection costs:
+        until `MIN_CONNECTS` samples are in or under way. Each probed connection holds one of the server's threads
+        from the probe's answer until its request arrives, a round trip later: a burst of them queued behind each
+        other (the slowest first response of a 32-connection burst across a 20 ms relay about 0.1 s above a plain
+        client's that sent `Connection: close`). A True is ended by `end_sample`."""
+        with self._lock:
+            if self._choice is not None or len(self._connects) + self._sampling >= MIN_CONNECTS:
+                return False
+            self._sampling += 1
+            return True
+
+    def end_sample(self) -> None:
+        """The probe that `start_sample` allowed has ended, its sample taught (`connected`) or not."""
+        with self._lock:
+            self._sampling -= 1
 
     def connected(self, seconds: float) -> ConnectionChoice | None:
         """A new connection to the origin cost ``seconds`` (connect, TLS for https, and its probe's round trip when

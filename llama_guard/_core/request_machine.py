@@ -273,7 +273,8 @@ class RequestMachine:
     @property
     def probing(self) -> bool:
         """New connections of this request's attempts are to be probed: under the keep-alive strategy, and while
-        ``"auto"`` measures what a new connection costs (its probe's round trip is part of it)."""
+        ``"auto"`` measures what a new connection costs (its probe's round trip is part of it; the connection
+        machine probes only those that take a sample, `OriginConnections.start_sample`)."""
         plan = self.plan
         connection = plan.connection
         return (
