@@ -391,6 +391,8 @@ def drive_burst(
                 time.sleep(max(0.0, due - time.perf_counter()))
                 due = max(due + interval, time.perf_counter())
                 remaining = deadline - time.perf_counter()
+                if remaining <= 0:  # the sleep ran past the end (a negative read timeout would raise ValueError)
+                    break
             # The run ends at the deadline: a request still waiting then is cut, not failed.
             timeout = httpx.Timeout(10.0, read=remaining, pool=remaining)
             outcome = one_request(client, stream=False, timeout=timeout)
