@@ -266,8 +266,7 @@ class ConnectionBook:
         announced, and the caches of final choices look again."""
         turned = self.of(origin).stalled(choice, what)
         if turned is not None:
-            with self._lock:  # two origins turning at once each move it
-                self.changes += 1
+            self.changes += 1
             self.announce(origin, turned, stats)
 
     def announce(self, origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
