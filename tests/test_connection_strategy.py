@@ -4,7 +4,6 @@ of the test's own."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -21,13 +20,9 @@ from llama_guard import GuardPolicy
 from llama_guard._core import connection_machine as connection
 from llama_guard._core.connection_strategy import (
     CLOSE_COST_SHARE,
-    FORCED_REUSE,
     MIN_CONNECTS,
     MIN_REQUESTS,
-    ConnectionBook,
-    ConnectionChoice,
     OriginConnections,
-    Strategies,
     is_loopback_host,
 )
 from llama_guard._core.origins import Origin
@@ -138,63 +133,6 @@ def test_a_provisional_choice_reported_late_never_replaces_the_final_one() -> No
     other = Origin("http", "10.0.0.9", 8080)
     PROCESS.connections.announce(other, provisional, stats)  # an origin still measuring reports it
     assert stats.snapshot().connection_strategies[str(other)] == str(provisional)
-
-
-def _measured(connections: OriginConnections, connect: float, request_time: float) -> ConnectionChoice:
-    for _ in range(MIN_CONNECTS):
-        connections.connected(connect)
-    decided = None
-    for _ in range(MIN_REQUESTS):
-        decided = connections.answered(request_time) or decided
-    assert decided is not None
-    return decided
-
-
-def test_a_measured_reuse_whose_new_connection_stalls_turns_to_close() -> None:
-    """A stall under the measured reuse (a probe kicked or given up) turns the origin to close, once, with the reason;
-    a stall under any other choice (forced, loopback, measuring, a measured close, a reuse already turned) changes
-    nothing."""
-    connections = OriginConnections(REMOTE)
-    measuring = connections.choice("auto")
-    assert connections.stalled(measuring, "its probe was kicked") is None  # closing already
-    reuse = _measured(connections, 0.040, 0.080)
-    assert reuse.strategy == "reuse"
-    assert connections.stalled(FORCED_REUSE, "its probe was kicked") is None  # the user's choice stays
-    turned = connections.stalled(reuse, "its probe was kicked")
-    assert turned is not None
-    assert turned.strategy == "close"
-    assert turned.final
-    assert turned.reason.startswith("measured: a new connection stalled while connections were kept (its probe was")
-    assert "was reuse: a new connection costs 40.0 ms" in turned.reason
-    assert connections.choice("auto") is turned
-    assert connections.choice("reuse") is FORCED_REUSE
-    assert connections.stalled(reuse, "its probe was given up") is None  # a request that read reuse before the turn
-    assert connections.stalled(turned, "its probe was given up") is None
-
-    closing = OriginConnections(REMOTE)
-    close = _measured(closing, 0.0002, 0.030)
-    assert close.strategy == "close"
-    assert closing.stalled(close, "its probe was given up") is None
-    local = OriginConnections(Origin("http", "127.0.0.1", 8080))
-    assert local.stalled(local.choice("auto"), "its probe was kicked") is None
-
-
-def test_a_turned_choice_replaces_the_cached_one_and_is_said() -> None:
-    """The book counts the turn; a transport's cached final choice (`Strategies`) is looked up again; stats and the
-    log say the new choice."""
-    book = ConnectionBook()
-    stats = llama_guard.GuardStats()
-    strategies = Strategies("auto", stats, book)
-    reuse = _measured(book.of(REMOTE), 0.040, 0.080)
-    assert strategies.choice("http", REMOTE.host, REMOTE.port, REMOTE, "auto") is reuse
-    assert strategies.choice("http", REMOTE.host, REMOTE.port, None, "auto") is reuse  # cached
-    book.stalled(REMOTE, FORCED_REUSE, stats, "its probe was kicked")
-    assert book.changes == 0
-    book.stalled(REMOTE, reuse, stats, "its probe was kicked")
-    assert book.changes == 1
-    turned = strategies.choice("http", REMOTE.host, REMOTE.port, None, "auto")
-    assert turned.strategy == "close"
-    assert stats.snapshot().connection_strategies == {str(REMOTE): str(turned)}
 
 
 def test_an_origin_account_records_choices_as_its_transport_does() -> None:
@@ -370,66 +308,6 @@ def test_auto_measures_away_from_loopback(delay: float, tokens: int, chosen: str
     assert strategies[-1] == chosen, data["why"]
     (why,) = data["why"].values()  # type: ignore[attr-defined]
     assert why.startswith(f"{chosen} (measured:"), why
-
-
-_NETNS_STALL_SCRIPT = textwrap.dedent(
-    """
-    import json, sys, threading
-    from concurrent.futures import ThreadPoolExecutor
-    import httpx, llama_guard
-    from llama_guard.testing import DelayRelayProcess, LlamaServerEmulator
-
-    sys.setswitchinterval(0.0005)  # the emulator's threads share this process with the client
-    # Two HTTP threads and the pool defect: a kept connection holds one, and a new connection beyond two is not read.
-    with LlamaServerEmulator(host="10.77.0.1", http_threads=2, max_http_threads=2) as server, DelayRelayProcess(
-        ("10.77.0.1", server.port), delay=0.010, host="10.77.0.1"
-    ) as relay:
-        url = f"http://10.77.0.1:{relay.port}/v1/chat/completions"
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-        transport = llama_guard.GuardTransport(httpx.HTTPTransport(limits=httpx.Limits(max_connections=6)))
-        with httpx.Client(transport=transport, timeout=30) as client:
-            def one(index):
-                return client.post(url, json=body).extensions["llama_guard"].connection
-            # One at a time until the choice is made (20 ms round trips against 20 ms requests: reuse).
-            measured = [one(index) for index in range(20)]
-            chosen = transport.stats.snapshot().connection_strategies
-            # Six at a time: the pool opens new connections beyond the server's two threads, kept ones hold them.
-            with ThreadPoolExecutor(6) as pool:
-                loaded = list(pool.map(one, range(36)))
-            after = [one(index) for index in range(4)]
-            snapshot = transport.stats.snapshot()
-        print(json.dumps({
-            "measured": measured, "chosen": chosen, "loaded": loaded, "after": after,
-            "why": snapshot.connection_strategies, "kicks": snapshot.probe_kicks, "given_up": snapshot.probes_given_up,
-        }))
-    """
-)
-
-
-@needs_netns
-@pytest.mark.slow  # a subprocess and about 60 requests across a 20 ms relay
-def test_a_measured_reuse_turns_to_close_when_its_new_connections_stall() -> None:
-    """Away from loopback, against a server with two HTTP threads and the pool defect: auto measures, chooses reuse
-    (a new connection costs about a request), then six requests at a time open connections the server does not read
-    while kept ones hold its threads; the first stall turns the origin to close, and the requests after it close
-    their connections. The client loses nothing."""
-    setup = 'ip link set lo up && ip addr add 10.77.0.1/32 dev lo && exec "$0" "$@"'
-    result = subprocess.run(
-        ["unshare", "--net", "--", "sh", "-c", setup, sys.executable, "-c", _NETNS_STALL_SCRIPT],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(result.stdout.strip().splitlines()[-1])
-    assert data["measured"][0] == "close"  # measuring
-    (chosen,) = data["chosen"].values()
-    assert chosen.startswith("reuse (measured:"), data
-    assert data["kicks"] + data["given_up"] >= 1, data
-    (why,) = data["why"].values()
-    assert why.startswith("close (measured: a new connection stalled while connections were kept"), why
-    assert data["after"] == ["close"] * 4, data
 
 
 def test_while_measuring_only_the_connections_that_take_a_sample_are_probed() -> None:

@@ -476,8 +476,6 @@ class ConnectionMachine:
         self._kicks += 1
         plan = self.request.plan
         plan.origin_probes.kicked()
-        if self._kicks == 1:
-            plan.stalled("its probe was kicked")
         if event.failure is None:
             plan.stats.add(probe_kicks=1)
         else:
@@ -519,7 +517,6 @@ class ConnectionMachine:
         seconds = self._elapsed()
         request.failed_probes += 1
         plan.stats.record_probe(seconds, answered=False, given_up=True)
-        plan.stalled("its probe was given up")
         if event.unseen is not None:
             why = (
                 f"a connection whose probe was given up could not be watched for a late answer: {event.unseen}; "

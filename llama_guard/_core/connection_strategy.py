@@ -25,10 +25,7 @@ network round trip (more with TLS) elsewhere, where reusing connections and prob
   seen of its connect (and TLS) plus its probe's round trip: at least what a connection per request adds, since a
   connect alone may not show the handshake's round trip (a proxy or relay in between accepts at once and defers it
   to the first byte).
-  The choice is made once per origin and process and said once in the log, with one exception: a measured *reuse*
-  whose new connections then stall (a probe kicked or given up: the server's HTTP threads are held, by idle
-  keep-alive connections as often as not) turns to *close* for the rest of the process (`OriginConnections.stalled`),
-  as a stall costs more than a round trip per request.
+  The choice is made once per origin and process and said once in the log.
 """
 
 from __future__ import annotations
@@ -189,23 +186,6 @@ class OriginConnections:
             self._requests.append(seconds)
             return self._decide()
 
-    def stalled(self, choice: ConnectionChoice, what: str) -> ConnectionChoice | None:
-        """A new connection made under ``choice`` stalled (``what``: a probe kicked, given up); the new choice if
-        this turns the origin's measured reuse to close (to be said once), else None. Only a measured reuse turns:
-        forced strategies are the user's, and closing is what a stall would turn to."""
-        if choice is not self._choice or choice.strategy != "reuse":
-            return None
-        with self._lock:
-            if choice is not self._choice:  # turned since
-                return None
-            self._choice = ConnectionChoice(
-                "close",
-                f"measured: a new connection stalled while connections were kept ({what}): idle keep-alive "
-                f"connections hold the server's HTTP threads, so each request now closes its own (was reuse: "
-                f"{choice.reason.removeprefix('measured: ')})",
-            )
-            return self._choice
-
     def _decide(self) -> ConnectionChoice | None:
         if self._choice is not None or len(self._connects) < MIN_CONNECTS or len(self._requests) < MIN_REQUESTS:
             return None
@@ -232,9 +212,6 @@ class ConnectionBook:
     def __init__(self) -> None:
         self._origins: dict[Origin, OriginConnections] = {}
         self._lock = threading.Lock()
-        # How many final choices were replaced (a measured reuse turned to close): the caches of final choices
-        # (`Strategies`, `Guard`'s routes) look again when it moves.
-        self.changes = 0
 
     def of(self, origin: Origin) -> OriginConnections:
         key = origin.same_server_key()
@@ -261,14 +238,6 @@ class ConnectionBook:
         if decided is not None:
             self.announce(origin, decided, stats)
 
-    def stalled(self, origin: Origin, choice: ConnectionChoice, stats: GuardStats, what: str) -> None:
-        """A new connection to ``origin`` made under ``choice`` stalled (``what``); a choice this turns is
-        announced, and the caches of final choices look again."""
-        turned = self.of(origin).stalled(choice, what)
-        if turned is not None:
-            self.changes += 1
-            self.announce(origin, turned, stats)
-
     def announce(self, origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
         """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
         stats.record_connection_choice(str(origin), str(choice), final=choice.final)
@@ -280,7 +249,7 @@ class Strategies:
     """One transport's (or session's) connection strategies: the final choice of each origin, kept per
     (scheme, host, port) as its HTTP library spells them, so the usual request pays one dict lookup."""
 
-    __slots__ = ("_book", "_chosen", "_chosen_at", "_mode", "stats", "unix_socket")
+    __slots__ = ("_book", "_chosen", "_mode", "stats", "unix_socket")
 
     def __init__(
         self, mode: ConnectionMode, stats: GuardStats, book: ConnectionBook, *, unix_socket: bool = False
@@ -292,16 +261,12 @@ class Strategies:
         self.stats = stats  # where choices are recorded: the owner's, replaced with it
         self.unix_socket = unix_socket
         self._chosen: dict[tuple[str, str, int | None], ConnectionChoice] = {}
-        self._chosen_at = book.changes
 
     def choice(
         self, scheme: str, host: str, port: int | None, origin: Origin | None, mode: ConnectionMode
     ) -> ConnectionChoice:
         """The strategy for a request (``mode``: its policy's, which a request may override)."""
         key = (scheme, host, port)
-        if self._chosen_at != self._book.changes:  # a final choice was replaced: look again
-            self._chosen = {}
-            self._chosen_at = self._book.changes
         if mode == self._mode:
             choice = self._chosen.get(key)
             if choice is not None:

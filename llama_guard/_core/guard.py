@@ -42,9 +42,7 @@ class Guard:
 
     __slots__ = (
         "_accounts",
-        "_book",
         "_routes",
-        "_routes_at",
         "_stats",
         "given_up",
         "origins",
@@ -75,8 +73,6 @@ class Guard:
         # Per URL (scheme, host, port): its origin's account and final connection strategy, for requests without
         # options of their own (one lookup per request where there would be two).
         self._routes: dict[tuple[str, str, int | None], tuple[GuardStats, ConnectionChoice]] = {}
-        self._book = process.connections
-        self._routes_at = self._book.changes  # a final choice replaced since (a measured reuse that stalled): forgotten
         # Connections whose probe was given up, watched a while for a late answer: ended when the guard closes.
         self.given_up = GivenUpWatches()
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
@@ -153,9 +149,6 @@ class Guard:
         cost a call about 2,000 instructions more."""
         started = time.monotonic()
         stream = body is not None and request.method == "POST" and wants_stream(body)
-        if self._routes_at != self._book.changes:
-            self._routes = {}
-            self._routes_at = self._book.changes
         route = self._routes.get((scheme, host, port)) if overrides is None else None
         if route is not None:
             policy = self.policy
@@ -258,10 +251,6 @@ class RequestPlan:
     def teach(self, *, connect_cost: float | None = None, request: float | None = None) -> None:
         """Teach the origin's ``"auto"`` connection strategy a new connection's cost or a request's time."""
         self.guard.process.connections.teach(self.origin, self.stats, connect_cost=connect_cost, request=request)
-
-    def stalled(self, what: str) -> None:
-        """A new connection made for this request stalled (``what``): a measured reuse turns to close."""
-        self.guard.process.connections.stalled(self.origin, self.connection, self.stats, what)
 
     # -- the machine --------------------------------------------------------------------------------------------------
 

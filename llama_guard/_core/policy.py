@@ -102,10 +102,10 @@ class GuardPolicy:
             ``Connection: close``, so no connection idles on one of the server's HTTP threads and none can stall;
             new connections are not probed (a connection serves the one request). ``"reuse"``: keep-alive, every
             new connection probed (below), stream connections closed. ``"auto"`` (default): ``"close"`` for a
-            loopback address or a Unix socket, where a new connection costs nothing; elsewhere ``"close"`` (each
-            new connection probed) until the cost of a new connection (connect, TLS, its probe's round trip) was
-            measured, then ``"close"`` if it is at most 5% of the origin's median request time, else ``"reuse"``,
-            which turns to ``"close"`` if a new connection then stalls. The choice and its reason are in
+            loopback address or a Unix socket, where a new connection costs nothing; elsewhere ``"close"`` (the
+            first two new connections probed) until the cost of a new connection (connect, TLS, its probe's round
+            trip) was measured, then ``"close"`` if it is at most 5% of the origin's median request time, else
+            ``"reuse"``. The choice and its reason are in
             ``stats.connection_strategies``, each response's ``GuardResult.connection`` and the log (once per
             origin).
         stream_mode: ``"close"`` (default) sends ``Connection: close`` on requests whose JSON body asks for
