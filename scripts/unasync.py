@@ -87,6 +87,7 @@ NETWORK_UNASYNC: Rules = (
     (r"\bAsyncStreamIO\b", "SyncStreamIO"),
     (r"\bAsyncSpares\b", "SyncSpares"),
     (r"\b_AsyncTlsDone\b", "_SyncTlsDone"),
+    (r"\b_AsyncDelegatingStream\b", "_SyncDelegatingStream"),
     (r"\bspawn_task\b", "spawn_thread"),
     (r"\bAsyncTurn\b", "ThreadTurn"),
     (r"\bAsyncConnectionIO\b", "SyncConnectionIO"),

@@ -187,7 +187,26 @@ def _noted(plan: RequestPlan, connect: Any) -> httpcore.NetworkStream:
     return stream
 
 
-class _SyncAfterTls(httpcore.NetworkStream):
+class _SyncDelegatingStream(httpcore.NetworkStream):
+    """A network stream that passes reads, writes and closes to ``self._stream``; subclasses say what `start_tls`
+    does."""
+
+    _stream: httpcore.NetworkStream
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._stream.read(max_bytes, timeout)
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._stream.write(buffer, timeout)
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _SyncAfterTls(_SyncDelegatingStream):
     """A new https connection of a guarded attempt, whose machine goes on once httpcore has done its TLS handshake;
     the TLS stream that `start_tls` returns is httpcore's own, not wrapped."""
 
@@ -220,20 +239,8 @@ class _SyncAfterTls(httpcore.NetworkStream):
         advance_connection(self._machine, done, self._io)
         return stream
 
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, timeout)
 
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, timeout)
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _SyncTlsDone(httpcore.NetworkStream):
+class _SyncTlsDone(_SyncDelegatingStream):
     """A spare https connection, TLS'd ahead: the handshake httpcore asks for is the one done already."""
 
     def __init__(self, stream: httpcore.NetworkStream) -> None:
@@ -243,18 +250,6 @@ class _SyncTlsDone(httpcore.NetworkStream):
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.NetworkStream:
         return self._stream
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self._stream.read(max_bytes, timeout)
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self._stream.write(buffer, timeout)
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
 
 
 def negotiated_http2(stream: Any) -> bool:

@@ -187,7 +187,26 @@ async def _noted(plan: RequestPlan, connect: Any) -> httpcore.AsyncNetworkStream
     return stream
 
 
-class _AsyncAfterTls(httpcore.AsyncNetworkStream):
+class _AsyncDelegatingStream(httpcore.AsyncNetworkStream):
+    """A network stream that passes reads, writes and closes to ``self._stream``; subclasses say what `start_tls`
+    does."""
+
+    _stream: httpcore.AsyncNetworkStream
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self._stream.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        await self._stream.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _AsyncAfterTls(_AsyncDelegatingStream):
     """A new https connection of a guarded attempt, whose machine goes on once httpcore has done its TLS handshake;
     the TLS stream that `start_tls` returns is httpcore's own, not wrapped."""
 
@@ -220,20 +239,8 @@ class _AsyncAfterTls(httpcore.AsyncNetworkStream):
         await advance_connection(self._machine, done, self._io)
         return stream
 
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._stream.read(max_bytes, timeout)
 
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._stream.write(buffer, timeout)
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
-
-
-class _AsyncTlsDone(httpcore.AsyncNetworkStream):
+class _AsyncTlsDone(_AsyncDelegatingStream):
     """A spare https connection, TLS'd ahead: the handshake httpcore asks for is the one done already."""
 
     def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
@@ -243,18 +250,6 @@ class _AsyncTlsDone(httpcore.AsyncNetworkStream):
         self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None
     ) -> httpcore.AsyncNetworkStream:
         return self._stream
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return await self._stream.read(max_bytes, timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        await self._stream.write(buffer, timeout)
-
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-    def get_extra_info(self, info: str) -> Any:
-        return self._stream.get_extra_info(info)
 
 
 def negotiated_http2(stream: Any) -> bool:
