@@ -804,7 +804,7 @@ def test_a_connection_idle_past_the_guards_keep_alive_is_not_reused() -> None:
             adapter = session.get_adapter(server.url)
             (pool,) = [adapter.poolmanager.pools[key] for key in list(adapter.poolmanager.pools.keys())]
             (idle,) = [conn for conn in list(pool.pool.queue) if conn is not None]
-            idle.__dict__["_llama_guard_idle_since"] -= CLIENT_KEEPALIVE
+            idle._llama_guard_answered_at -= CLIENT_KEEPALIVE
             assert ask(session.post, server.url, stream=False).status_code == 200
             stats = llama_guard.stats_of(session).snapshot()
         finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,7 +43,8 @@ COUNTERS = (
 _MIN_SECONDS = 1e-5
 _GROWTH = 1.02
 _BUCKETS = int(math.log(86_400 / _MIN_SECONDS, _GROWTH)) + 2
-_LOG_GROWTH = math.log(_GROWTH)
+# The buckets' upper bounds as `LatencyHistogram.record` bisects them: the last bucket takes anything beyond.
+_RECORD_BOUNDS = [_MIN_SECONDS * _GROWTH**index for index in range(_BUCKETS - 1)] + [math.inf]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +86,11 @@ class LatencyHistogram:
         return sum(self._buckets)
 
     def record(self, seconds: float) -> int:
-        """Count a sample; returns its bucket."""
-        # Once per request, so lean: comparisons rather than max()/min() calls, no sample count.
-        if seconds > _MIN_SECONDS:
-            index = int(math.log(seconds / _MIN_SECONDS) / _LOG_GROWTH) + 1
-            if index >= _BUCKETS:
-                index = _BUCKETS - 1
-        else:  # 10 µs or less (or a clock oddity below zero, counted as zero)
-            seconds = max(seconds, 0.0)
-            index = 0
+        """Count a sample; returns its bucket (the first whose bound it does not exceed)."""
+        # Once per request, so lean: one bisection, comparisons rather than max()/min() calls, no sample count.
+        if seconds < 0.0:  # a clock oddity, counted as zero
+            seconds = 0.0
+        index = bisect_left(_RECORD_BOUNDS, seconds)
         if seconds > self._max:
             self._max = seconds
         self._buckets[index] += 1

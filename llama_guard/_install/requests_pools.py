@@ -5,11 +5,11 @@ requests sends through urllib3 (``HTTPAdapter.send`` calls a pool's ``urlopen``)
 `install()` wraps, with wrapt, ``urllib3.connectionpool.HTTPConnectionPool.urlopen`` (the https pool inherits it),
 whatever imported urllib3 and whenever: sessions made before and after, the module-level ``requests.post`` (a new
 session each call), urllib3's ``PoolManager`` and pools used directly. For a llama-server origin the wrapper hands
-the call to the installation's `PoolGuard` (``llama_guard/_requests/pool_guard.py``), which hooks that pool (its new
-connections' class and ``_put_conn``); any other origin's call goes to urllib3's own method with the same arguments.
-A pool an explicit guard hooked (`GuardAdapter`, `guard(session)`) is left to it. ``HTTPAdapter.send`` is wrapped
-too, so that an error the guard gave up on reaches the caller as the guard's requests class. `uninstall()` takes
-both wrappers off and puts every hooked pool back.
+the call to the installation's `PoolGuard` (``llama_guard/_requests/pool_guard.py``), which hooks that pool (its
+connections' class: the probe of new ones, the expiry of idle ones); any other origin's call goes to urllib3's own
+method with the same arguments. A pool an explicit guard hooked (`GuardAdapter`, `guard(session)`) is left to it.
+``HTTPAdapter.send`` is wrapped too, so that an error the guard gave up on reaches the caller as the guard's requests
+class. `uninstall()` takes both wrappers off and puts every hooked pool back.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ that call, reads a 503's short body, marks a stream's connection to be dropped, 
 
 from __future__ import annotations
 
+import functools
 import io
 import socket
 from dataclasses import dataclass
@@ -28,9 +29,8 @@ from .internals import pool_timeout
 
 __all__ = ["RESULT_ATTRIBUTE", "CallView", "Url", "Urllib3Attempts", "drop_stream", "is_streaming", "with_close"]
 
-# The attribute a guarded response carries its `GuardResult` in, and a connection its drop mark.
+# The attribute a guarded response carries its `GuardResult` in.
 RESULT_ATTRIBUTE = "_llama_guard_result"
-DROP_ATTRIBUTE = "_llama_guard_drop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,14 +231,25 @@ def is_streaming(response: BaseHTTPResponse) -> bool:
 
 
 def drop_stream(response: BaseHTTPResponse, stats: Any) -> bool:
-    """llama-server closes a stream's connection right after the final chunk, whatever its headers said: mark the
-    connection so that the pool closes it when the response gives it back (``pool_guard._put_conn``), instead of
-    pooling it."""
+    """llama-server closes a stream's connection right after the final chunk, whatever its headers said: the
+    response's ``release_conn`` closes the connection before it gives it back to the pool (urllib3 opens a new one in
+    its place when it is next taken), instead of pooling it."""
     connection = getattr(response, "connection", None)
     if connection is None or getattr(connection, "sock", None) is None:
         return connection is not None  # http.client closed it already (the response said Connection: close)
-    setattr(connection, DROP_ATTRIBUTE, stats)
+    response.release_conn = functools.partial(_release_dropped, response, stats)  # type: ignore[method-assign]
     return True
+
+
+def _release_dropped(response: BaseHTTPResponse, stats: Any) -> None:
+    """A dropped stream's ``release_conn`` (urllib3 and requests call it at the body's end or the response's
+    close): its connection closed and counted, then given back as urllib3 does."""
+    del response.release_conn  # the class's own again, and no cycle left through the instance
+    connection: Any = response.connection
+    if connection is not None and connection.sock is not None:
+        stats.add(stream_connections_closed=1, stream_connections_dropped=1)
+        connection.close()
+    response.release_conn()
 
 
 def _restore_read_timeout(response: BaseHTTPResponse, read: float | None) -> None:

@@ -14,12 +14,15 @@ A pooled connection that urllib3 reuses never calls ``connect()``: it pays nothi
 from __future__ import annotations
 
 import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
 from urllib3.exceptions import ConnectTimeoutError
 
 from .._core import connection_machine as connection
 from .._core.attempt_context import CURRENT_PLAN
+from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.request_machine import MAX_SOCKET_WAIT
 from .._drive.sync_drive import advance_connection
 from .attempts import CallView
@@ -27,10 +30,20 @@ from .exceptions import Urllib3ProbeError, Urllib3ProbeTimeout
 
 __all__ = ["GuardedConnection", "guarded_connection_class", "original_connection_class"]
 
+_monotonic = time.monotonic
+
 
 class GuardedConnection:
     """Mixin of the guard's connection classes (``Guarded<urllib3 class>``): ``connect()`` as urllib3's, driven by
     the connection's machine for a guarded attempt."""
+
+    # The urllib3 class's own, set on each guarded class (`guarded_connection_class`): called as methods, they cost
+    # a fraction of ``super()``'s lookup, on every response and every pooled connection handed out.
+    _urllib3_getresponse: Callable[[], Any]
+    _urllib3_is_connected: Callable[[], bool]
+    # When its last response came; an attribute (never through ``__dict__``, which would turn the connection's inline
+    # attributes into a dict and slow every attribute urllib3 and http.client read of it).
+    _llama_guard_answered_at: float | None = None
 
     def connect(self) -> None:
         plan = CURRENT_PLAN.get()
@@ -53,6 +66,27 @@ class GuardedConnection:
         advance_connection(machine, connection.Opened(h2=_negotiated_http2(new), socket=new.sock), io)
         io.restore()
 
+    def getresponse(self) -> Any:
+        """urllib3's, and the time of the answer kept on the connection: it goes idle from about then (a llama
+        stream's is dropped instead, `attempts.drop_stream`)."""
+        response = self._urllib3_getresponse()
+        self._llama_guard_answered_at = _monotonic()
+        return response
+
+    @property
+    def is_connected(self) -> bool:
+        """What urllib3 asks before it hands a pooled connection out (``is_connection_dropped``): also False for one
+        answered `CLIENT_KEEPALIVE` (4 s) ago or more, so that urllib3 closes it and connects again (probed).
+        llama-server closes an idle connection at 5 s; urllib3 keeps one for ever and checks only that no close has
+        arrived yet, so a request could be written at the moment the server closes it (httpx's pool expires at 4 s
+        under the guard, aiohttp's too)."""
+        answered = self._llama_guard_answered_at
+        if answered is not None:
+            self._llama_guard_answered_at = None
+            if _monotonic() - answered >= CLIENT_KEEPALIVE:
+                return False
+        return self._urllib3_is_connected()
+
 
 _CLASSES: dict[type, type] = {}
 
@@ -64,7 +98,14 @@ def guarded_connection_class(base: type) -> type:
     cls = _CLASSES.get(base)
     if cls is None:
         name = f"Guarded{base.__name__}"
-        cls = _CLASSES[base] = type(name, (GuardedConnection, base), {"__module__": __name__, "__qualname__": name})
+        urllib3_class: Any = base
+        own = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "_urllib3_getresponse": urllib3_class.getresponse,
+            "_urllib3_is_connected": urllib3_class.is_connected.fget,
+        }
+        cls = _CLASSES[base] = type(name, (GuardedConnection, base), own)
     return cls
 
 

@@ -1,7 +1,6 @@
 """Every access the guard makes to private attributes of urllib3, in one place (as ``_httpx/internals.py`` and
-``_aiohttp/internals.py`` do for theirs): urllib3 2.x, the ``requests`` extra's pin. A pool's connections are taken
-and given back through ``_get_conn``/``_put_conn``, a ``PoolManager`` makes its pools in ``_new_pool``, and a pool
-works out a request's timeout in ``_get_timeout``."""
+``_aiohttp/internals.py`` do for theirs): urllib3 2.x, the ``requests`` extra's pin. A ``PoolManager`` makes its pools
+in ``_new_pool``, and a pool works out a request's timeout in ``_get_timeout``."""
 
 from __future__ import annotations
 
@@ -10,20 +9,13 @@ from typing import Any
 
 from urllib3.util.timeout import Timeout
 
-__all__ = ["pool_timeout", "wrap_connection_handout", "wrap_new_pool"]
+__all__ = ["pool_timeout", "wrap_new_pool"]
 
 
 def pool_timeout(pool: Any, timeout: Any) -> Timeout:
     """The `Timeout` a pool's ``urlopen`` would use for ``timeout`` (the call's, or its default)."""
     result: Timeout = pool._get_timeout(timeout)
     return result
-
-
-def wrap_connection_handout(pool: Any, put: Any, get: Any) -> None:
-    """Route ``pool``'s ``_put_conn`` and ``_get_conn`` (on the instance) through ``put(pool, original, ...)`` and
-    ``get(pool, original, ...)``; popping both from the instance's ``__dict__`` takes them off."""
-    pool._put_conn = functools.partial(put, pool, type(pool)._put_conn)
-    pool._get_conn = functools.partial(get, pool, type(pool)._get_conn)
 
 
 def wrap_new_pool(manager: Any, new_pool: Any, *args: Any) -> None:

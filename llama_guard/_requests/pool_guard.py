@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 import weakref
 from typing import Any
 
@@ -29,14 +28,13 @@ from urllib3.util.retry import Retry
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.guard import Guard
-from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
+from .._core.llama_server import RETRIED_STATUSES
 from .._core.origins import Origin
 from .._core.request_machine import BEGIN
 from .._core.request_options import current_options
 from .._core.result import GuardResult
 from .._drive.sync_drive import drive_request
 from .attempts import (
-    DROP_ATTRIBUTE,
     RESULT_ATTRIBUTE,
     CallView,
     Urllib3Attempts,
@@ -46,7 +44,6 @@ from .attempts import (
     with_close,
 )
 from .connections import guarded_connection_class, original_connection_class
-from .internals import wrap_connection_handout
 
 __all__ = ["PoolGuard", "pool_guard_of", "result_of_urllib3"]
 
@@ -67,8 +64,8 @@ _PARAMS = (
     "preload_content",
     "decode_content",
 )
-# The attribute of an idle connection: since when it is idle.
-_IDLE_ATTRIBUTE = "_llama_guard_idle_since"
+# Matches no call's retries (`PoolGuard.single_send` before its first Retry).
+_NO_RETRY = object()
 # The attribute of a hooked pool: the guard that hooked it, and what the pool was before.
 _HOOK_ATTRIBUTE = "_llama_guard_pool"
 
@@ -88,7 +85,7 @@ def pool_guard_of(pool: object) -> PoolGuard | None:
 class _PoolHook:
     """What a guard changed on one pool, to put it back (`PoolGuard.unhook`)."""
 
-    __slots__ = ("connection_class", "guard", "origin", "own_class", "own_get", "own_put")
+    __slots__ = ("connection_class", "guard", "origin", "own_class")
 
     def __init__(self, guard: PoolGuard, pool: Any) -> None:
         self.guard = guard
@@ -96,8 +93,6 @@ class _PoolHook:
         instance = pool.__dict__
         self.own_class = "ConnectionCls" in instance  # an instance attribute of the pool's own, to restore
         self.connection_class = pool.ConnectionCls
-        self.own_put = "_put_conn" in instance
-        self.own_get = "_get_conn" in instance
 
 
 class PoolGuard(Guard):
@@ -113,19 +108,19 @@ class PoolGuard(Guard):
         """``guard``: `Guard`'s arguments."""
         super().__init__(**guard)
         self.explicit = explicit
-        self._last_retries: tuple[Any, bool, Any] | None = None  # (caller's Retry, redirect, what attempts get)
+        # (the caller's Retry, redirect, what the attempts get): one tuple, swapped whole, for threads sharing the guard
+        self._last_retries: tuple[Any, Any, Any] = (_NO_RETRY, None, None)
         self._pools: weakref.WeakSet[Any] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     # -- the pools ---------------------------------------------------------------------------------------------
 
     def hook(self, pool: Any) -> None:
-        """Put the guard on ``pool`` (once): its new connections' class, its ``_put_conn`` and ``_get_conn`` (a llama
-        stream's connection is closed, never pooled; an idle one expires at 4 s) and, for an explicit guard, its
-        ``urlopen`` (`install()` wraps the
-        class's instead). An explicit guard takes a pool over from `install()`'s, never the other way round."""
-        hook = pool.__dict__.get(_HOOK_ATTRIBUTE)
-        if hook is not None and hook.guard is self:
+        """Put the guard on ``pool`` (once): its connections' class (``connections.py``: the probe of a new one, the
+        expiry of one idle for 4 s) and, for an explicit guard, its ``urlopen`` (`install()` wraps the class's
+        instead). An explicit guard takes a pool over from `install()`'s, never the other way round."""
+        hook = getattr(pool, _HOOK_ATTRIBUTE, None)
+        if isinstance(hook, _PoolHook) and hook.guard is self:
             return
         with self._lock:
             current = pool_guard_of(pool)
@@ -139,7 +134,6 @@ class PoolGuard(Guard):
             guarded = guarded_connection_class(pool.ConnectionCls)
             pool.ConnectionCls = guarded
             _swap_idle_connections(pool, guarded_connection_class)
-            wrap_connection_handout(pool, _put_conn, _get_conn)
             if self.explicit:
                 pool.urlopen = functools.partial(self.urlopen, pool, functools.partial(type(pool).urlopen, pool))
             setattr(pool, _HOOK_ATTRIBUTE, hook)
@@ -155,10 +149,6 @@ class PoolGuard(Guard):
             pool.ConnectionCls = hook.connection_class
         else:
             pool.__dict__.pop("ConnectionCls", None)
-        if not hook.own_put:
-            pool.__dict__.pop("_put_conn", None)
-        if not hook.own_get:
-            pool.__dict__.pop("_get_conn", None)
         pool.__dict__.pop("urlopen", None)
         _swap_idle_connections(pool, original_connection_class)
         self._pools.discard(pool)
@@ -184,42 +174,38 @@ class PoolGuard(Guard):
         origin = hook.origin if isinstance(hook, _PoolHook) else Origin.of(pool.scheme, pool.host, pool.port)
         if not self.origins.is_llama(origin):
             return self._pass_through(pool, original, origin, args, kwargs)
-        self.hook(pool)
-        call = dict(zip(_PARAMS, args, strict=False))
-        call.update(kwargs)
+        if not isinstance(hook, _PoolHook) or hook.guard is not self:
+            self.hook(pool)
+        call = kwargs  # this call's own dict (requests passes keywords only): the guard's to change (`_guarded`)
+        if args:
+            call = dict(zip(_PARAMS, args, strict=False))
+            call.update(kwargs)
         return self._guarded(pool, original, origin, call)
 
     def _guarded(self, pool: Any, original: Any, origin: Origin, call: dict[str, Any]) -> BaseHTTPResponse:
-        method = str(call["method"]).upper()
         body = call.get("body")
-        content = body.encode() if isinstance(body, str) else body
-        if content is not None and not isinstance(content, (bytes, bytearray)):
-            content = None  # a generator or a file: one-shot, never sent twice
-        elif isinstance(content, bytearray):
-            content = bytes(content)
-        elif content is None:
-            content = b""
-        view = CallView(pool, call, method)
-        plan = self.plan(view, pool.scheme, pool.host, pool.port, origin, current_options(), content)
+        if type(body) is not bytes:  # requests' json= and data= send bytes: the usual request pays one test
+            body = _replayable(body)
+        view = CallView(pool, call, str(call["method"]).upper())
+        plan = self.plan(view, pool.scheme, pool.host, pool.port, origin, current_options(), body)
         # What every attempt sends: the caller's call (``call`` is the guard's own dict, made from the arguments),
         # with urllib3's own retries taken out (the guard's loop replaces them, see the module's doc), the body left
         # unread (the guard judges the headers first), and Connection: close on a copy of the headers when the plan
         # says so: the caller's stay as they are.
         preload = (call.get("preload_content", True), call.get("decode_content", True))
         call["retries"] = self.single_send(call, pool)
-        call["preload_content"] = False
-        call["release_conn"] = False
+        call["preload_content"] = call["release_conn"] = False
         if plan.close_connection:
             call["headers"] = with_close(view.headers)
-        attempts = Urllib3Attempts(plan, original, preload)
         if not plan.as_is:
-            return drive_request(plan.start(), attempts, BEGIN)
+            return drive_request(plan.start(), Urllib3Attempts(plan, original, preload), BEGIN)
         # The usual request: its first attempt goes out as the caller's call, with no machine unless something
         # needs one (a new connection to probe, a failure, a 503/429).
         token = CURRENT_PLAN.set(plan)
         try:
             response: BaseHTTPResponse = original(**call)
         except Exception as exc:
+            attempts = Urllib3Attempts(plan, original, preload)
             return drive_request(plan.machine(), attempts, attempts.failed(exc))
         except BaseException:  # interrupted (KeyboardInterrupt, a signal's exception): counted, as any request
             plan.interrupted()
@@ -227,6 +213,7 @@ class PoolGuard(Guard):
         finally:
             CURRENT_PLAN.reset(token)
         if response.status in RETRIED_STATUSES:
+            attempts = Urllib3Attempts(plan, original, preload)
             return drive_request(plan.machine(), attempts, attempts.answered(response))
         dropped = plan.drops_streams and is_streaming(response) and drop_stream(response, plan.stats)
         return respond(response, plan.answered_at_once(dropped), preload)
@@ -236,7 +223,7 @@ class PoolGuard(Guard):
         adapter's own on every call: building a Retry costs as much as the rest of the guard's work)."""
         retries, redirect = call.get("retries"), call.get("redirect", True)
         cached = self._last_retries
-        if cached is not None and cached[0] is retries and cached[1] == redirect and retries is not None:
+        if cached[0] is retries and cached[1] is redirect:  # a Retry only (see below); redirect: True or False
             return cached[2]
         derived = _single_send(retries, redirect, pool.retries)
         if isinstance(retries, Retry):
@@ -260,6 +247,18 @@ class PoolGuard(Guard):
         return response
 
 
+def _replayable(body: Any) -> bytes | None:
+    """A urlopen body as the bytes the guard may send again: a str encoded, a bytearray copied, no body as b"";
+    None for a one-shot body (a generator, a file), never sent twice."""
+    if body is None:
+        return b""
+    if isinstance(body, str):
+        return body.encode()
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body)
+    return None
+
+
 def _single_send(retries: Any, redirect: bool, default: Retry) -> Any:
     """The caller's urllib3 ``Retry`` less its retries: urllib3 sends each of the guard's attempts once (a
     redirect is still followed as the caller allowed it)."""
@@ -271,32 +270,6 @@ def _single_send(retries: Any, redirect: bool, default: Retry) -> Any:
     return retries.new(
         total=None, connect=0, read=0, other=0, status=0, redirect=redirect_budget, raise_on_status=False
     )
-
-
-def _put_conn(pool: Any, put: Any, conn: Any) -> None:
-    """A hooked pool's ``_put_conn``: a connection marked by `attempts.drop_stream` is closed first (urllib3 then
-    opens a new one in its place when it is next taken); one that goes back idle is stamped with the time."""
-    if conn is not None:
-        stats = conn.__dict__.pop(DROP_ATTRIBUTE, None)
-        if stats is not None:
-            if conn.sock is not None:
-                stats.add(stream_connections_closed=1, stream_connections_dropped=1)
-            conn.close()
-        conn.__dict__[_IDLE_ATTRIBUTE] = time.monotonic()
-    put(pool, conn)
-
-
-def _get_conn(pool: Any, get: Any, timeout: Any = None) -> Any:
-    """A hooked pool's ``_get_conn``: a connection idle for `CLIENT_KEEPALIVE` (4 s) or more is closed before it is
-    handed out (urllib3 reconnects it in place, and the hook probes the new connection). llama-server closes an idle
-    connection at 5 s; urllib3 keeps one for ever and checks only that no close has arrived yet, so a request could
-    be written at the moment the server closes it (httpx's pool expires at 4 s under the guard, aiohttp's too)."""
-    conn = get(pool, timeout)
-    if conn is not None:
-        idle_since = conn.__dict__.pop(_IDLE_ATTRIBUTE, None)
-        if idle_since is not None and time.monotonic() - idle_since >= CLIENT_KEEPALIVE and conn.sock is not None:
-            conn.close()
-    return conn
 
 
 def _swap_idle_connections(pool: Any, make: Any) -> None:
