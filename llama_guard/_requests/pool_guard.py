@@ -18,6 +18,7 @@ never the product of the two budgets. A one-shot body (a generator, a file) is n
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -90,9 +91,11 @@ class _PoolHook:
     def __init__(self, guard: PoolGuard, pool: Any) -> None:
         self.guard = guard
         self.origin = Origin.of(pool.scheme, pool.host, pool.port)
-        instance = pool.__dict__
-        self.own_class = "ConnectionCls" in instance  # an instance attribute of the pool's own, to restore
+        # A connection class of the pool's own (an instance attribute other than its class's), to restore. Not read
+        # through ``pool.__dict__``, which would turn the pool's inline attributes into a dict (urllib3 reads about
+        # twenty of them per request).
         self.connection_class = pool.ConnectionCls
+        self.own_class = self.connection_class is not type(pool).ConnectionCls
 
 
 class PoolGuard(Guard):
@@ -141,15 +144,15 @@ class PoolGuard(Guard):
 
     def unhook(self, pool: Any) -> None:
         """Put ``pool`` back as it was before `hook`; requests under way finish as they are."""
-        hook = pool.__dict__.get(_HOOK_ATTRIBUTE)
+        hook = getattr(pool, _HOOK_ATTRIBUTE, None)
         if not isinstance(hook, _PoolHook) or hook.guard is not self:
             return
-        del pool.__dict__[_HOOK_ATTRIBUTE]
+        names = (_HOOK_ATTRIBUTE, "urlopen") if hook.own_class else (_HOOK_ATTRIBUTE, "urlopen", "ConnectionCls")
+        for name in names:
+            with contextlib.suppress(AttributeError):  # a class's method, not the instance's: nothing to take off
+                delattr(pool, name)
         if hook.own_class:
             pool.ConnectionCls = hook.connection_class
-        else:
-            pool.__dict__.pop("ConnectionCls", None)
-        pool.__dict__.pop("urlopen", None)
         _swap_idle_connections(pool, original_connection_class)
         self._pools.discard(pool)
 
