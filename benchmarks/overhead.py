@@ -33,7 +33,9 @@ Repeatable counts (``_counts.py``; ``--instructions`` for them alone; otherwise 
 found, unless ``--no-instructions``): instructions and simulated cache misses per request, sync and asyncio, the
 whole stack in memory under cachegrind. They repeat to about 0.1% whatever the machine is doing.
 
-When guard/bare is above the target (1.03) the guard's hot path is profiled (or always, with ``--profile``), sync:
+Each client kind's ratio is printed against its target: 1.03 for httpx, 1.115 for aiohttp (issue 23's bound) and
+1.05 for requests (issue 24's). When an httpx guard/bare is above 1.03 the guard's hot path is profiled (or always,
+with ``--profile``), sync:
 
 * the guard's own Python on its normal path: `GuardTransport` around an in-process canned transport that answers
   at once, against that canned transport bare. The canned transport carries a stand-in pool (``_network_backend``
@@ -103,6 +105,9 @@ BODY: dict[str, Any] = {
     "temperature": 0.0,
 }
 TARGET = 1.03
+# Each client kind's own bound where it is not TARGET: aiohttp's bare request costs half of httpx's, so the
+# middleware's fixed cost is a larger share (issue 23: no worse than 1.115); requests' (issue 24: 1.05).
+TARGETS = {"asyncio aiohttp.ClientSession": 1.115, "sync requests.Session": 1.05}
 # "bare, control" is a second bare client: its ratio to bare is what noise alone does to a ratio.
 VARIANTS = ("bare", "bare, control", "guard", "httpx-retries", "bare close", "guard close")
 # "guard" is the keep-alive strategy, whose per-request cost is the target: the server here is on loopback, where
@@ -1037,13 +1042,20 @@ def main(argv: list[str] | None = None) -> int:
             for kind, measured in by_kind.items():
                 values = ratios(getattr(measured, attr), "guard", "bare")
                 value, (_, high) = median(values), median_ci(values)
-                verdict = "within" if value <= TARGET else "ABOVE"
-                certainty = " (also the 95% upper bound)" if high <= TARGET else f" (95% upper bound {high:.3f})"
-                print(f"target guard/bare <= {TARGET}, {kind}, {metric}: {verdict}, {value:.3f}{certainty}")
-        worst = max(
-            median(ratios(getattr(m, attr), "guard", "bare")) for m in by_kind.values() for attr in ("wall", "cpu")
+                target = TARGETS.get(kind, TARGET)
+                verdict = "within" if value <= target else "ABOVE"
+                certainty = " (also the 95% upper bound)" if high <= target else f" (95% upper bound {high:.3f})"
+                print(f"target guard/bare <= {target}, {kind}, {metric}: {verdict}, {value:.3f}{certainty}")
+        httpx_worst = max(
+            (
+                median(ratios(getattr(m, attr), "guard", "bare"))
+                for k, m in by_kind.items()
+                for attr in ("wall", "cpu")
+                if "httpx" in k
+            ),
+            default=0.0,
         )
-        if (worst > TARGET or args.profile) and "sync httpx.Client" in by_kind:
+        if (httpx_worst > TARGET or args.profile) and "sync httpx.Client" in by_kind:
             print()
             print(profile(PROFILE_ROUNDS, PROFILE_REQUESTS, median(by_kind["sync httpx.Client"].wall["bare"])))
     print()
