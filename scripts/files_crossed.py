@@ -2,7 +2,8 @@
 
 A fresh guarded client sends one chat completion to the emulator, so its connection is new; every call into a
 ``llama_guard`` module (the emulator left out) is recorded in order. Prints, per stack and connection strategy, the
-distinct files and the number of crossings (a call into a file other than the previous call's)::
+distinct files and the number of crossings (a call into a file other than the previous call's); and, for sync httpx,
+the same for a client's second connection (its origin's account, strategy and route set up by a first request)::
 
     python scripts/files_crossed.py
 """
@@ -78,6 +79,23 @@ def sync_request(url: str, connection: Strategy) -> Crossings:
     return crossings
 
 
+def sync_second_connection(url: str, connection: Strategy) -> Crossings:
+    """A client that has asked once already (its origin's account, strategy and route set up) opens a new
+    connection for its next request: the path every new connection after the first takes."""
+    policy = llama_guard.GuardPolicy(connection=connection)
+    no_idle = httpx.Limits(max_keepalive_connections=0)  # each request on a connection of its own
+    transport = llama_guard.GuardTransport(httpx.HTTPTransport(limits=no_idle), policy=policy)
+    with httpx.Client(transport=transport) as client:
+        client.post(f"{url}/v1/chat/completions", json=CHAT)
+        crossings = Crossings()
+        sys.setprofile(crossings)
+        try:
+            client.post(f"{url}/v1/chat/completions", json=CHAT)
+        finally:
+            sys.setprofile(None)
+    return crossings
+
+
 async def async_request(url: str, connection: Strategy) -> Crossings:
     policy = llama_guard.GuardPolicy(connection=connection)
     async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as warm:
@@ -98,6 +116,7 @@ def main() -> int:
         for connection in strategies:
             print(sync_request(server.url, connection).line(f"httpx sync, {connection}"))
             print(asyncio.run(async_request(server.url, connection)).line(f"httpx asyncio, {connection}"))
+            print(sync_second_connection(server.url, connection).line(f"httpx sync, {connection}, second connection"))
     return 0
 
 
