@@ -214,7 +214,8 @@ def test_one_upstream_connection_per_client_at_accept(held: Upstream) -> None:
         started = time.monotonic()
         clients = [socket.create_connection(relay.address) for _ in range(16)]
         try:
-            wait_for(lambda: held.count() == 16, timeout=0.5)
+            # The upstream accepts a connection before the relay's loop sees its connect complete and counts it.
+            wait_for(lambda: held.count() == 16 and relay.stats().upstream_opened == 16, timeout=0.5)
             elapsed = time.monotonic() - started
             stats = relay.stats()
             assert (stats.accepted, stats.upstream_opened, stats.open, stats.bytes_up) == (16, 16, 16, 0)
