@@ -323,7 +323,12 @@ def test_refused_over_max_connections(held: Upstream) -> None:
     with DelayRelay(("127.0.0.1", held.port), delay=0.0, max_connections=2) as relay:
         clients = [socket.create_connection(relay.address) for _ in range(3)]
         try:
-            wait_for(lambda: relay.stats().accepted == 3)
+            # Accepting the third comes before the first two's upstream connects are counted: wait for both.
+            wait_for(
+                lambda: (
+                    relay.stats().accepted == 3 and relay.stats().upstream_opened + relay.stats().upstream_failed == 2
+                )
+            )
             stats = relay.stats()
             assert (stats.upstream_opened + stats.upstream_failed, stats.refused, stats.open) == (2, 1, 2)
         finally:

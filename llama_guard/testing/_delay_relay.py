@@ -124,8 +124,9 @@ class _Pipe:
             if isinstance(item, bytes):
                 self.pending -= len(item)
                 if not sink.is_closing():
-                    sink.write(item)
+                    # Counted first: the far end's reader may have the bytes before this loop runs its next line.
                     self.pair.count(self.up, len(item))
+                    sink.write(item)
             elif item is _EOF:
                 self.ended = True
                 if not sink.is_closing() and sink.can_write_eof():
