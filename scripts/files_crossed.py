@@ -69,13 +69,18 @@ def sync_request(url: str, connection: Strategy) -> Crossings:
     policy = llama_guard.GuardPolicy(connection=connection)
     with httpx.Client(transport=llama_guard.GuardTransport(policy=policy)) as warm:
         warm.get(f"{url}/health")  # first-time imports and set-up out of the way
-    crossings = Crossings()
     with httpx.Client(transport=llama_guard.GuardTransport(policy=policy)) as client:
-        sys.setprofile(crossings)
-        try:
-            client.post(f"{url}/v1/chat/completions", json=CHAT)
-        finally:
-            sys.setprofile(None)
+        return traced_chat(client, url)
+
+
+def traced_chat(client: httpx.Client, url: str) -> Crossings:
+    """One chat completion through ``client``, its calls into the guard recorded."""
+    crossings = Crossings()
+    sys.setprofile(crossings)
+    try:
+        client.post(f"{url}/v1/chat/completions", json=CHAT)
+    finally:
+        sys.setprofile(None)
     return crossings
 
 
@@ -87,13 +92,7 @@ def sync_second_connection(url: str, connection: Strategy) -> Crossings:
     transport = llama_guard.GuardTransport(httpx.HTTPTransport(limits=no_idle), policy=policy)
     with httpx.Client(transport=transport) as client:
         client.post(f"{url}/v1/chat/completions", json=CHAT)
-        crossings = Crossings()
-        sys.setprofile(crossings)
-        try:
-            client.post(f"{url}/v1/chat/completions", json=CHAT)
-        finally:
-            sys.setprofile(None)
-    return crossings
+        return traced_chat(client, url)
 
 
 async def async_request(url: str, connection: Strategy) -> Crossings:
