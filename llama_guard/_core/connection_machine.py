@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from .log import logger
-from .origin_probes import PROBE_SLICE, Admission, GivenUpProbe, GivenUpWatches
+from .origin_probes import PROBE_SLICE, Admission, GivenUpProbe, GivenUpWatches, OriginProbes
 from .probe import ProbeAnswer, ProbeExchange, ProbeProtocolError, probe_deadline
 from .request_machine import MAX_SOCKET_WAIT
 
@@ -275,6 +275,7 @@ class ConnectionMachine:
 
     __slots__ = (
         "_admission",
+        "_caller_read",
         "_clock",
         "_connect_seconds",
         "_deadline",
@@ -284,6 +285,7 @@ class ConnectionMachine:
         "_kicks",
         "_measures",
         "_number",
+        "_probes",
         "_probing",
         "_sample",
         "_socket",
@@ -309,6 +311,10 @@ class ConnectionMachine:
         self._clock = clock
         self.state = ConnectionState.NEW
         self._admission: Admission[Any] | None = None
+        # The origin's probe book and the caller's read timeout, looked up once (`_on_opening`, `_start_probe`): a
+        # probe consults them at every step, and each lookup through the plan is a hash and two calls.
+        self._probes: OriginProbes | None = None
+        self._caller_read: float | None = None
         self._probing = False
         # While auto measures: whether this connection teaches what it cost, and the origin's measurements when its
         # probe takes a sample (`OriginConnections.start_sample`).
@@ -364,17 +370,19 @@ class ConnectionMachine:
                 "the pool speaks HTTP/2 only (h2c with prior knowledge, http1=False), unlike llama-server"
             )
             probing = False
-        probing = probing and plan.origin not in plan.guard.unprobeable
+        origin = plan.origin
+        process = plan.guard.process
+        probing = probing and origin not in plan.guard.unprobeable
         if not plan.connection.final:  # auto measures: only the connections that take a sample are probed
             self._measures = True
             if probing:
-                sample = plan.guard.process.connections.of(plan.origin)
+                sample = process.connections.of(origin)
                 if sample.start_sample():
                     self._sample = sample
                 else:  # its connect alone would read cheaper than the probed samples: it teaches nothing
                     probing = self._measures = False
         self._probing = probing
-        probes = plan.origin_probes
+        probes = self._probes = process.probes.of(origin)
         if self._probing and event.admits and not event.tls_later and probes.admission_needed(plan.policy):
             self.state = ConnectionState.ADMITTING
             return Admit(probes, plan.stats)
@@ -417,10 +425,10 @@ class ConnectionMachine:
     def _start_probe(self) -> ConnectionAction:
         request = self.request
         plan = request.plan
-        probes = plan.origin_probes
-        self._number = probes.probe_started()
+        self._number = self._origin_probes.probe_started()
         self._kicks = 0
         self._exchange = ProbeExchange(plan.host_header)
+        self._caller_read = plan.caller_read_timeout()
         self._deadline = self._probe_deadline()
         self._started = self._clock()
         self.state = ConnectionState.WRITING
@@ -439,8 +447,8 @@ class ConnectionMachine:
             # request a reconnect, never its attempts (the late answer raises the learnt deadline for the next ones).
             deadline = probe_deadline(request.failed_probes, first=policy.probe_timeout, cap=policy.probe_timeout_max)
         else:
-            deadline = plan.origin_probes.deadline(policy)
-        caller_read = plan.caller_read_timeout()
+            deadline = self._origin_probes.deadline(policy)
+        caller_read = self._caller_read
         if caller_read is not None and caller_read < deadline:
             deadline = caller_read
         deadline = min(deadline, MAX_SOCKET_WAIT)
@@ -454,7 +462,7 @@ class ConnectionMachine:
         plan = self.request.plan
         if not plan.policy.probe_kick:
             return None
-        first = plan.origin_probes.deadline(plan.policy)
+        first = self._origin_probes.deadline(plan.policy)
         if first >= self._deadline:
             # A burst whose served connections are too few to learn from (the pool's threads held by long requests)
             # still gets its kicks: they cost one short connection each, a stall costs the probe's whole deadline.
@@ -469,13 +477,13 @@ class ConnectionMachine:
         return self._give_up()
 
     def _on_read_slice_passed(self, event: ConnectionSignal) -> ConnectionAction:
-        self.request.plan.origin_probes.check_given_up()  # while probes wait, given-up ones are watched
+        self._origin_probes.check_given_up()  # while probes wait, given-up ones are watched
         return self._wait()
 
     def _on_kicked(self, event: Kicked) -> ConnectionAction:
         self._kicks += 1
         plan = self.request.plan
-        plan.origin_probes.kicked()
+        self._origin_probes.kicked()
         if event.failure is None:
             plan.stats.add(probe_kicks=1)
         else:
@@ -507,7 +515,7 @@ class ConnectionMachine:
 
     def _on_cancelled(self, event: ConnectionSignal) -> ConnectionAction:
         if self._exchange is not None:  # the probe was sent: neither answered nor failed
-            self.request.plan.origin_probes.probe_failed(self._number)
+            self._origin_probes.probe_failed(self._number)
         self._end()
         return Abort("raised", "")
 
@@ -524,7 +532,7 @@ class ConnectionMachine:
             )
             plan.stats.late_answers_unseen = why
             plan.process.warnings.warning(f"llama_guard: {why}")
-        watch: GivenUpProbe = plan.origin_probes.probe_given_up(
+        watch: GivenUpProbe = self._origin_probes.probe_given_up(
             self._number,
             event.peek,
             plan.stats,
@@ -541,6 +549,14 @@ class ConnectionMachine:
         )
 
     # -- shared steps -------------------------------------------------------------------------------------------------
+
+    @property
+    def _origin_probes(self) -> OriginProbes:
+        """The origin's probe book, once `_on_opening` has looked it up (every probe step comes after it)."""
+        probes = self._probes
+        if probes is None:
+            probes = self._probes = self.request.plan.origin_probes
+        return probes
 
     def _elapsed(self) -> float:
         return self._clock() - self._started
@@ -580,7 +596,7 @@ class ConnectionMachine:
                     f"{plan.description}: the new connection answered its probe after {seconds:.2f} s and "
                     f"{self._kicks} kick{'s' if self._kicks > 1 else ''}",
                 )
-            plan.origin_probes.probe_answered(seconds, self._number)
+            self._origin_probes.probe_answered(seconds, self._number)
             if self._connect_seconds is not None and not rescued:  # a rescued probe timed the stall, not the network
                 plan.teach(connect_cost=self._connect_seconds + seconds)
             return self._ready()
@@ -596,7 +612,7 @@ class ConnectionMachine:
         request = self.request
         request.failed_probes += 1
         request.plan.stats.record_probe(self._elapsed(), answered=False)
-        request.plan.origin_probes.probe_failed(self._number)
+        self._origin_probes.probe_failed(self._number)
 
     def _probe_closed(self, status: int) -> None:
         """The server answered the probe with ``status`` and closed the connection: that connection is lost."""

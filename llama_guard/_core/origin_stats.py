@@ -105,10 +105,12 @@ class OriginStats(GuardStats):
             lock.release()
 
     def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
+        """`GuardStats.record_probe` for both in one hold of the shared lock, as `record_request`."""
         parent = self._parent()
-        if parent is not None:
-            parent.record_probe(seconds, answered=answered, given_up=given_up, rescued=rescued)
-        super().record_probe(seconds, answered=answered, given_up=given_up, rescued=rescued)
+        with self._lock:
+            self._count_probe(seconds, answered, given_up, rescued)
+            if parent is not None:
+                parent._count_probe(seconds, answered, given_up, rescued)
 
     def record_admission_wait(self, seconds: float) -> None:
         parent = self._parent()

@@ -325,13 +325,17 @@ class GuardStats:
         """A probe ended: answered in ``seconds`` (``rescued``: after a kick), or failed (``given_up``: its deadline
         passed)."""
         with self._lock:
-            self.probes_sent += 1
-            if answered:
-                self.probe_latency.record(seconds)
-                self.probes_rescued += rescued
-            else:
-                self.probes_failed += 1
-                self.probes_given_up += given_up
+            self._count_probe(seconds, answered, given_up, rescued)
+
+    def _count_probe(self, seconds: float, answered: bool, given_up: bool, rescued: bool) -> None:
+        """A probe's counts, the lock held (`record_probe`; an origin's account and its parent in one hold)."""
+        self.probes_sent += 1
+        if answered:
+            self.probe_latency.record(seconds)
+            self.probes_rescued += rescued
+        else:
+            self.probes_failed += 1
+            self.probes_given_up += given_up
 
     def record_connection_choice(self, origin: str, choice: str, *, final: bool = True) -> None:
         """The connection strategy of ``origin`` (``GuardPolicy.connection``) is ``choice`` now. A provisional one
