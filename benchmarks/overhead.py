@@ -232,7 +232,8 @@ def run_sync(client: httpx.Client, n: int, *, gc_off: bool = False) -> tuple[flo
         gc.enable()
 
 
-AIOHTTP_VARIANTS = ("bare", "bare, control", "guard")
+# aiohttp and requests: the same variants but httpx-retries, which only wraps httpx.
+AIOHTTP_VARIANTS = ("bare", "bare, control", "guard", "bare close", "guard close")
 
 
 async def run_aiohttp(session: Any, n: int) -> tuple[float, float]:
@@ -247,17 +248,21 @@ async def run_aiohttp(session: Any, n: int) -> tuple[float, float]:
 
 
 async def measure_aiohttp(url: str, rounds: int, requests: int, warmup: int) -> Measured:
-    """Interleaved rounds (blocks) of a bare `aiohttp.ClientSession` and `llama_guard.aiohttp.guarded_session()`."""
+    """Interleaved rounds (blocks) of a bare `aiohttp.ClientSession` and `llama_guard.aiohttp.guarded_session()`
+    (the keep-alive strategy); and of both with a new connection per request, as `measure_requests`."""
     import aiohttp
 
     from llama_guard.aiohttp import guarded_session
 
-    sessions = {
-        v: guarded_session(url, policy=REUSE)
-        if v == "guard"
-        else aiohttp.ClientSession(url, connector=aiohttp.TCPConnector())
-        for v in AIOHTTP_VARIANTS
-    }
+    def make_session(variant: str) -> aiohttp.ClientSession:
+        if variant == "guard":
+            return guarded_session(url, policy=REUSE)
+        if variant == "guard close":
+            return guarded_session(url)  # the default: loopback, so close
+        headers = CLOSE_HEADERS if variant == "bare close" else None
+        return aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(), headers=headers)
+
+    sessions = {v: make_session(v) for v in AIOHTTP_VARIANTS}
     try:
         for session in sessions.values():
             await run_aiohttp(session, warmup)
@@ -283,13 +288,16 @@ def run_requests(session: Any, url: str, n: int) -> tuple[float, float]:
 
 def measure_requests(url: str, rounds: int, requests: int, warmup: int) -> Measured:
     """Interleaved rounds (blocks) of a bare `requests.Session` and one with a mounted
-    `llama_guard.requests.GuardAdapter` (the keep-alive strategy, as the httpx rows)."""
+    `llama_guard.requests.GuardAdapter` (the keep-alive strategy, as the httpx rows); and of both with a new
+    connection per request (``Connection: close`` sent by the bare one, the guard's default on loopback)."""
     import requests as requests_library
 
     from llama_guard.requests import GuardAdapter
 
     sessions = {v: requests_library.Session() for v in AIOHTTP_VARIANTS}
     sessions["guard"].mount("http://", GuardAdapter(policy=REUSE))
+    sessions["guard close"].mount("http://", GuardAdapter())  # the default: loopback, so close
+    sessions["bare close"].headers["Connection"] = "close"
     target = url + PATH
     try:
         for session in sessions.values():

@@ -2,8 +2,10 @@
 
 A fresh guarded client sends one chat completion to the emulator, so its connection is new; every call into a
 ``llama_guard`` module (the emulator left out) is recorded in order. Prints, per stack and connection strategy, the
-distinct files and the number of crossings (a call into a file other than the previous call's); and, for sync httpx,
-the same for a client's second connection (its origin's account, strategy and route set up by a first request)::
+distinct files and the number of crossings (a call into a file other than the previous call's); for sync httpx, the
+same for a client's second connection (its origin's account, strategy and route set up by a first request); and the
+same first request through the other drivers, requests (a mounted ``GuardAdapter``) and aiohttp
+(``llama_guard.aiohttp.guarded_session``), when those are installed::
 
     python scripts/files_crossed.py
 """
@@ -11,6 +13,7 @@ the same for a client's second connection (its origin's account, strategy and ro
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import sys
 from types import FrameType
@@ -23,7 +26,7 @@ from llama_guard.testing import LlamaServerEmulator
 
 Strategy = Literal["close", "reuse"]
 ROOT = os.path.dirname(llama_guard.__file__)
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 class Crossings:
@@ -109,6 +112,49 @@ async def async_request(url: str, connection: Strategy) -> Crossings:
     return crossings
 
 
+def requests_request(url: str, connection: Strategy) -> Crossings:
+    import requests
+
+    from llama_guard.requests import GuardAdapter
+
+    def session() -> requests.Session:
+        made = requests.Session()
+        made.mount("http://", GuardAdapter(policy=llama_guard.GuardPolicy(connection=connection)))
+        return made
+
+    with session() as warm:
+        warm.get(f"{url}/health")
+    crossings = Crossings()
+    with session() as client:
+        sys.setprofile(crossings)
+        try:
+            client.post(f"{url}/v1/chat/completions", json=CHAT)
+        finally:
+            sys.setprofile(None)
+    return crossings
+
+
+async def aiohttp_request(url: str, connection: Strategy) -> Crossings:
+    from llama_guard.aiohttp import guarded_session
+
+    policy = llama_guard.GuardPolicy(connection=connection)
+    async with guarded_session(policy=policy) as warm, warm.get(f"{url}/health") as response:
+        await response.read()
+    crossings = Crossings()
+    async with guarded_session(policy=policy) as client:
+        sys.setprofile(crossings)
+        try:
+            async with client.post(f"{url}/v1/chat/completions", json=CHAT) as response:
+                await response.read()
+        finally:
+            sys.setprofile(None)
+    return crossings
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def main() -> int:
     with LlamaServerEmulator(pool_bug=False) as server:
         strategies: tuple[Strategy, ...] = ("reuse", "close")
@@ -116,6 +162,10 @@ def main() -> int:
             print(sync_request(server.url, connection).line(f"httpx sync, {connection}"))
             print(asyncio.run(async_request(server.url, connection)).line(f"httpx asyncio, {connection}"))
             print(sync_second_connection(server.url, connection).line(f"httpx sync, {connection}, second connection"))
+            if _installed("requests"):
+                print(requests_request(server.url, connection).line(f"requests, {connection}"))
+            if _installed("aiohttp"):
+                print(asyncio.run(aiohttp_request(server.url, connection)).line(f"aiohttp, {connection}"))
     return 0
 
 

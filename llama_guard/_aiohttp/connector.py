@@ -16,12 +16,13 @@ connector, which ends the watches when it closes (a `GuardConnector`), or until 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, TypeAlias
 
 import aiohttp
 import anyio
 
 from .._core import connection_machine as connection
+from .._core.guard import RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.origin_probes import GivenUpWatches
 from .._core.process_state import ProcessState
@@ -68,12 +69,13 @@ class ProbingHooks(ConnectionHooks):
         # closes; on another connector (a session the guard was added to), when the watch ends.
         self.given_up = GivenUpWatches()
 
-    async def connecting(
-        self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout
-    ) -> tuple[connection.ConnectionMachine, _TransportIO] | None:
+    async def connecting(self, request: aiohttp.ClientRequest, timeout: aiohttp.ClientTimeout) -> _Token:
         plan = plan_of(request)
         if plan is None:
             return None  # a request the guard passes through, or another session's inside a guarded attempt
+        if not plan.needs_connection_machine:  # the close strategy: nothing to probe or measure, only noted
+            plan.opening()
+            return plan
         machine = connection.ConnectionMachine(plan.machine(), watches=self.given_up)
         io = _TransportIO(request, timeout)
         proxy = request.proxy
@@ -89,9 +91,12 @@ class ProbingHooks(ConnectionHooks):
         self,
         request: aiohttp.ClientRequest,
         transport: Any,
-        token: tuple[connection.ConnectionMachine, _TransportIO] | None,
+        token: _Token,
     ) -> None:
         if token is None:
+            return
+        if isinstance(token, RequestPlan):
+            token.opened()
             return
         machine, io = token
         io.transport = transport
@@ -102,11 +107,14 @@ class ProbingHooks(ConnectionHooks):
             # The first-byte deadline starts now, as httpx's read timeout starts once the request is written.
             scope.deadline = anyio.current_time() + deadline
 
-    def finished(
-        self, request: aiohttp.ClientRequest, token: tuple[connection.ConnectionMachine, _TransportIO] | None
-    ) -> None:
-        if token is not None and not token[0].done:  # the connect failed, or was cancelled
+    def finished(self, request: aiohttp.ClientRequest, token: _Token) -> None:
+        if isinstance(token, tuple) and not token[0].done:  # the connect failed, or was cancelled
             token[0].next(connection.OPEN_FAILED)  # its turn, if it had one, goes to the next connection
+
+
+# What `ProbingHooks.connecting` hands to `connected` and `finished`: nothing (a request the guard passes by), the
+# plan of an attempt whose new connection is only noted, or the connection's machine and its I/O.
+_Token: TypeAlias = "RequestPlan | tuple[connection.ConnectionMachine, _TransportIO] | None"
 
 
 class _TransportIO:

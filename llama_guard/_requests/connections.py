@@ -50,6 +50,11 @@ class GuardedConnection:
         if plan is None or not isinstance(plan.request, CallView):  # not a guarded urllib3 attempt
             super().connect()  # type: ignore[misc]
             return
+        if not plan.needs_connection_machine:  # the close strategy: nothing to probe or measure, only noted
+            plan.opening()
+            super().connect()  # type: ignore[misc]
+            plan.opened()
+            return
         new: Any = self
         url = plan.request.url
         machine = connection.ConnectionMachine(plan.machine())  # made now if the request had none yet

@@ -1,0 +1,110 @@
+"""Every driver makes a connection machine only where the core says one is needed
+(`RequestPlan.needs_connection_machine`).
+
+Under the close strategy (the default on loopback) a new connection has nothing to probe and nothing to measure: each
+driver only notes it (`RequestPlan.opening`, `opened`), so that a failure can still be judged by how far the attempt
+got, and makes no machine. Under keep-alive (``"reuse"``) the same request's new connection is probed by its machine:
+the control that the count below sees machines at all. Real loopback sockets, the emulator counting connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+import llama_guard
+from llama_guard import GuardPolicy
+from llama_guard._core import connection_machine
+from llama_guard.testing import LlamaServerEmulator
+
+CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+REQUESTS = 4
+
+
+def httpx_sync(url: str, policy: GuardPolicy) -> list[Any]:
+    with httpx.Client(transport=llama_guard.GuardTransport(policy=policy)) as client:
+        return [client.post(f"{url}/v1/chat/completions", json=CHAT).extensions["llama_guard"] for _ in range(REQUESTS)]
+
+
+def httpx_async(url: str, policy: GuardPolicy) -> list[Any]:
+    async def run() -> list[Any]:
+        async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as client:
+            return [
+                (await client.post(f"{url}/v1/chat/completions", json=CHAT)).extensions["llama_guard"]
+                for _ in range(REQUESTS)
+            ]
+
+    return asyncio.run(run())
+
+
+def aiohttp_session(url: str, policy: GuardPolicy) -> list[Any]:
+    pytest.importorskip("aiohttp")
+    from llama_guard.aiohttp import guarded_session
+
+    async def run() -> list[Any]:
+        results = []
+        async with guarded_session(policy=policy) as session:
+            for _ in range(REQUESTS):
+                async with session.post(f"{url}/v1/chat/completions", json=CHAT) as response:
+                    await response.read()
+                    results.append(response.status)
+        return results
+
+    return asyncio.run(run())
+
+
+def requests_session(url: str, policy: GuardPolicy) -> list[Any]:
+    requests = pytest.importorskip("requests")
+    from llama_guard.requests import GuardAdapter
+
+    with requests.Session() as session:
+        session.mount("http://", GuardAdapter(policy=policy))
+        return [session.post(f"{url}/v1/chat/completions", json=CHAT).status_code for _ in range(REQUESTS)]
+
+
+DRIVERS: dict[str, Callable[[str, GuardPolicy], list[Any]]] = {
+    "httpx sync": httpx_sync,
+    "httpx asyncio": httpx_async,
+    "aiohttp": aiohttp_session,
+    "requests": requests_session,
+}
+
+
+@pytest.fixture
+def machines_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every `ConnectionMachine` a driver makes from now on (each driver makes them through the module)."""
+    made: list[Any] = []
+
+    class Counted(connection_machine.ConnectionMachine):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(connection_machine, "ConnectionMachine", Counted)
+    return made
+
+
+@pytest.mark.parametrize("driver", list(DRIVERS))
+@pytest.mark.parametrize("strategy", ["close", "reuse"])
+def test_a_new_connection_gets_a_machine_only_when_it_is_probed(
+    driver: str, strategy: str, machines_made: list[Any]
+) -> None:
+    with LlamaServerEmulator(pool_bug=False) as server:
+        outcomes = DRIVERS[driver](server.url, GuardPolicy(connection=strategy))  # type: ignore[arg-type]
+        accepted = server.stats().connections_accepted
+    assert len(outcomes) == REQUESTS
+    assert all(getattr(outcome, "attempts", 1) == 1 for outcome in outcomes)
+    assert all(outcome == 200 for outcome in outcomes if isinstance(outcome, int))
+    if strategy == "close":
+        assert accepted == REQUESTS  # a new connection for every request ...
+        assert machines_made == []  # ... each only noted
+    else:
+        assert accepted == 1  # one kept-alive connection ...
+        assert len(machines_made) == 1  # ... probed by its machine
+        assert all(machine.done for machine in machines_made)
