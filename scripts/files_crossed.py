@@ -51,6 +51,13 @@ class Crossings:
         if caller_name is not None and caller_name != name:
             self.callers.add(caller_name)
 
+    def __enter__(self) -> Crossings:
+        sys.setprofile(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
     def line(self, label: str) -> str:
         distinct = sorted(set(self.files))
         path = [name for name in distinct if name in self.callers]
@@ -76,14 +83,11 @@ def sync_request(url: str, connection: Strategy) -> Crossings:
         return traced_chat(client, url)
 
 
-def traced_chat(client: httpx.Client, url: str) -> Crossings:
-    """One chat completion through ``client``, its calls into the guard recorded."""
-    crossings = Crossings()
-    sys.setprofile(crossings)
-    try:
+def traced_chat(client: Any, url: str) -> Crossings:
+    """One chat completion through ``client`` (an `httpx.Client` or a `requests.Session`), its calls into the guard
+    recorded."""
+    with Crossings() as crossings:
         client.post(f"{url}/v1/chat/completions", json=CHAT)
-    finally:
-        sys.setprofile(None)
     return crossings
 
 
@@ -102,13 +106,9 @@ async def async_request(url: str, connection: Strategy) -> Crossings:
     policy = llama_guard.GuardPolicy(connection=connection)
     async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as warm:
         await warm.get(f"{url}/health")
-    crossings = Crossings()
     async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as client:
-        sys.setprofile(crossings)
-        try:
+        with Crossings() as crossings:
             await client.post(f"{url}/v1/chat/completions", json=CHAT)
-        finally:
-            sys.setprofile(None)
     return crossings
 
 
@@ -124,14 +124,8 @@ def requests_request(url: str, connection: Strategy) -> Crossings:
 
     with session() as warm:
         warm.get(f"{url}/health")
-    crossings = Crossings()
     with session() as client:
-        sys.setprofile(crossings)
-        try:
-            client.post(f"{url}/v1/chat/completions", json=CHAT)
-        finally:
-            sys.setprofile(None)
-    return crossings
+        return traced_chat(client, url)
 
 
 async def aiohttp_request(url: str, connection: Strategy) -> Crossings:
@@ -140,14 +134,10 @@ async def aiohttp_request(url: str, connection: Strategy) -> Crossings:
     policy = llama_guard.GuardPolicy(connection=connection)
     async with guarded_session(policy=policy) as warm, warm.get(f"{url}/health") as response:
         await response.read()
-    crossings = Crossings()
     async with guarded_session(policy=policy) as client:
-        sys.setprofile(crossings)
-        try:
+        with Crossings() as crossings:
             async with client.post(f"{url}/v1/chat/completions", json=CHAT) as response:
                 await response.read()
-        finally:
-            sys.setprofile(None)
     return crossings
 
 
