@@ -27,14 +27,14 @@ REQUESTS = 4
 
 def httpx_sync(url: str, policy: GuardPolicy) -> list[Any]:
     with httpx.Client(transport=llama_guard.GuardTransport(policy=policy)) as client:
-        return [client.post(f"{url}/v1/chat/completions", json=CHAT).extensions["llama_guard"] for _ in range(REQUESTS)]
+        return [llama_guard.result_of(client.post(f"{url}/v1/chat/completions", json=CHAT)) for _ in range(REQUESTS)]
 
 
 def httpx_async(url: str, policy: GuardPolicy) -> list[Any]:
     async def run() -> list[Any]:
         async with httpx.AsyncClient(transport=llama_guard.AsyncGuardTransport(policy=policy)) as client:
             return [
-                (await client.post(f"{url}/v1/chat/completions", json=CHAT)).extensions["llama_guard"]
+                llama_guard.result_of(await client.post(f"{url}/v1/chat/completions", json=CHAT))
                 for _ in range(REQUESTS)
             ]
 
@@ -51,7 +51,7 @@ def aiohttp_session(url: str, policy: GuardPolicy) -> list[Any]:
             for _ in range(REQUESTS):
                 async with session.post(f"{url}/v1/chat/completions", json=CHAT) as response:
                     await response.read()
-                    results.append(response.status)
+                    results.append(llama_guard.result_of(response))
         return results
 
     return asyncio.run(run())
@@ -63,7 +63,7 @@ def requests_session(url: str, policy: GuardPolicy) -> list[Any]:
 
     with requests.Session() as session:
         session.mount("http://", GuardAdapter(policy=policy))
-        return [session.post(f"{url}/v1/chat/completions", json=CHAT).status_code for _ in range(REQUESTS)]
+        return [llama_guard.result_of(session.post(f"{url}/v1/chat/completions", json=CHAT)) for _ in range(REQUESTS)]
 
 
 DRIVERS: dict[str, Callable[[str, GuardPolicy], list[Any]]] = {
@@ -96,11 +96,9 @@ def test_a_new_connection_gets_a_machine_only_when_it_is_probed(
     driver: str, strategy: str, machines_made: list[Any]
 ) -> None:
     with LlamaServerEmulator(pool_bug=False) as server:
-        outcomes = DRIVERS[driver](server.url, GuardPolicy(connection=strategy))  # type: ignore[arg-type]
+        results = DRIVERS[driver](server.url, GuardPolicy(connection=strategy))  # type: ignore[arg-type]
         accepted = server.stats().connections_accepted
-    assert len(outcomes) == REQUESTS
-    assert all(getattr(outcome, "attempts", 1) == 1 for outcome in outcomes)
-    assert all(outcome == 200 for outcome in outcomes if isinstance(outcome, int))
+    assert [(result.attempts, result.connection) for result in results] == [(1, strategy)] * REQUESTS
     if strategy == "close":
         assert accepted == REQUESTS  # a new connection for every request ...
         assert machines_made == []  # ... each only noted
