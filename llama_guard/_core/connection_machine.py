@@ -311,9 +311,10 @@ class ConnectionMachine:
         self._clock = clock
         self.state = ConnectionState.NEW
         self._admission: Admission[Any] | None = None
-        # The origin's probe book and the caller's read timeout, looked up once (`_on_opening`, `_start_probe`): a
-        # probe consults them at every step, and each lookup through the plan is a hash and two calls.
-        self._probes: OriginProbes | None = None
+        # The origin's probe book and the caller's read timeout, looked up once (`_on_opening`, the only handler of
+        # NEW, and `_start_probe`): a probe consults them at every step, and each lookup through the plan is a hash
+        # and two calls.
+        self._probes: OriginProbes
         self._caller_read: float | None = None
         self._probing = False
         # While auto measures: whether this connection teaches what it cost, and the origin's measurements when its
@@ -425,7 +426,7 @@ class ConnectionMachine:
     def _start_probe(self) -> ConnectionAction:
         request = self.request
         plan = request.plan
-        self._number = self._origin_probes.probe_started()
+        self._number = self._probes.probe_started()
         self._kicks = 0
         self._exchange = ProbeExchange(plan.host_header)
         self._caller_read = plan.caller_read_timeout()
@@ -447,7 +448,7 @@ class ConnectionMachine:
             # request a reconnect, never its attempts (the late answer raises the learnt deadline for the next ones).
             deadline = probe_deadline(request.failed_probes, first=policy.probe_timeout, cap=policy.probe_timeout_max)
         else:
-            deadline = self._origin_probes.deadline(policy)
+            deadline = self._probes.deadline(policy)
         caller_read = self._caller_read
         if caller_read is not None and caller_read < deadline:
             deadline = caller_read
@@ -462,7 +463,7 @@ class ConnectionMachine:
         plan = self.request.plan
         if not plan.policy.probe_kick:
             return None
-        first = self._origin_probes.deadline(plan.policy)
+        first = self._probes.deadline(plan.policy)
         if first >= self._deadline:
             # A burst whose served connections are too few to learn from (the pool's threads held by long requests)
             # still gets its kicks: they cost one short connection each, a stall costs the probe's whole deadline.
@@ -477,13 +478,13 @@ class ConnectionMachine:
         return self._give_up()
 
     def _on_read_slice_passed(self, event: ConnectionSignal) -> ConnectionAction:
-        self._origin_probes.check_given_up()  # while probes wait, given-up ones are watched
+        self._probes.check_given_up()  # while probes wait, given-up ones are watched
         return self._wait()
 
     def _on_kicked(self, event: Kicked) -> ConnectionAction:
         self._kicks += 1
         plan = self.request.plan
-        self._origin_probes.kicked()
+        self._probes.kicked()
         if event.failure is None:
             plan.stats.add(probe_kicks=1)
         else:
@@ -515,7 +516,7 @@ class ConnectionMachine:
 
     def _on_cancelled(self, event: ConnectionSignal) -> ConnectionAction:
         if self._exchange is not None:  # the probe was sent: neither answered nor failed
-            self._origin_probes.probe_failed(self._number)
+            self._probes.probe_failed(self._number)
         self._end()
         return Abort("raised", "")
 
@@ -532,7 +533,7 @@ class ConnectionMachine:
             )
             plan.stats.late_answers_unseen = why
             plan.process.warnings.warning(f"llama_guard: {why}")
-        watch: GivenUpProbe = self._origin_probes.probe_given_up(
+        watch: GivenUpProbe = self._probes.probe_given_up(
             self._number,
             event.peek,
             plan.stats,
@@ -549,14 +550,6 @@ class ConnectionMachine:
         )
 
     # -- shared steps -------------------------------------------------------------------------------------------------
-
-    @property
-    def _origin_probes(self) -> OriginProbes:
-        """The origin's probe book, once `_on_opening` has looked it up (every probe step comes after it)."""
-        probes = self._probes
-        if probes is None:
-            probes = self._probes = self.request.plan.origin_probes
-        return probes
 
     def _elapsed(self) -> float:
         return self._clock() - self._started
@@ -596,7 +589,7 @@ class ConnectionMachine:
                     f"{plan.description}: the new connection answered its probe after {seconds:.2f} s and "
                     f"{self._kicks} kick{'s' if self._kicks > 1 else ''}",
                 )
-            self._origin_probes.probe_answered(seconds, self._number)
+            self._probes.probe_answered(seconds, self._number)
             if self._connect_seconds is not None and not rescued:  # a rescued probe timed the stall, not the network
                 plan.teach(connect_cost=self._connect_seconds + seconds)
             return self._ready()
@@ -612,7 +605,7 @@ class ConnectionMachine:
         request = self.request
         request.failed_probes += 1
         request.plan.stats.record_probe(self._elapsed(), answered=False)
-        self._origin_probes.probe_failed(self._number)
+        self._probes.probe_failed(self._number)
 
     def _probe_closed(self, status: int) -> None:
         """The server answered the probe with ``status`` and closed the connection: that connection is lost."""
