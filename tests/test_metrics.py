@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import inspect
 import re
 import sys
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +27,9 @@ import llama_guard
 import llama_guard.metrics
 from llama_guard import GuardPolicy, GuardStats, Origin
 from llama_guard._core.decisions import FailureKind, Progress, RequestKind, verdict_for_failure, verdict_for_status
-from llama_guard._core.origin_stats import COUNTS, OriginStats, StatsSet
+from llama_guard._core.origin_stats import COUNTS, StatsSet
 from llama_guard._core.request_machine import retry_reason
+from llama_guard._core.stats import COUNTERS, LatencyHistogram, _Count, _Summed
 from llama_guard.metrics import FIRST_BYTE_BUCKETS, METRICS, PrometheusCollector, instrument_opentelemetry
 from llama_guard.testing import LlamaServerEmulator
 
@@ -106,20 +107,40 @@ def test_an_account_shows_its_parents_conditions() -> None:
     assert "probing=off" in repr(account)  # repr() reads the snapshot too
 
 
-def test_an_origin_account_forwards_every_way_of_counting() -> None:
-    """A counting method added to GuardStats must forward to the parent: this fails until OriginStats has it."""
-    reading = {"snapshot", "reset", "of_origin", "by_origin"}
-    counting = {
-        name
-        for name, value in vars(GuardStats).items()
-        if inspect.isfunction(value) and not name.startswith("_") and name not in reading
-    }
-    assert counting, "GuardStats has no counting methods?"
-    assert counting <= set(vars(OriginStats)), counting - set(vars(OriginStats))
-    # Every whole-number counter but passthrough (other origins) is kept per origin and summed by the exporters.
+def test_every_count_is_kept_once_and_summed_when_read() -> None:
+    """Whatever a GuardStats keeps (a counter, a tally, a distribution; one added later too) is kept by the object
+    that counted it and read as its own plus its accounts': a plain attribute would be a count the parent misses."""
     fresh = GuardStats()
-    numbers = {name for name, value in vars(fresh).items() if type(value) is int and not name.startswith("_")}
-    assert numbers - {"passthrough"} == set(COUNTS)
+    assert not {name for name, value in vars(fresh).items() if type(value) is int}
+    assert set(fresh._counts) == set(COUNTERS) == {n for n, v in vars(GuardStats).items() if isinstance(v, _Count)}
+    kept = {name for name, value in vars(fresh).items() if isinstance(value, (Counter, LatencyHistogram))}
+    summed = {f"_{name}" for name, value in vars(GuardStats).items() if isinstance(value, _Summed)}
+    assert kept == summed == {"_errors", "_retries_by_reason", "_first_byte", "_probe_latency", "_admission_wait"}
+    # Every whole-number counter but passthrough (other origins) is kept per origin and summed by the exporters.
+    assert set(COUNTERS) - {"passthrough"} == set(COUNTS)
+
+
+def test_a_parent_shows_its_own_counts_and_its_accounts() -> None:
+    """The parent's own counts (passthrough, a drop counted on the transport) and its accounts' add up; an account
+    shows only its own; setting a counter on the parent sets what it reads."""
+    parent = GuardStats()
+    account = parent.of_origin("httpx", ORIGIN)
+    other = parent.of_origin("aiohttp", ORIGIN)
+    parent.add(passthrough=1, stream_connections_closed=1)
+    parent.record_request(1, 0.5, False)
+    account.record_request(2, 0.25, True)
+    other.record_request(1, None, False)
+    other.add_error("ReadTimeout")
+    parent.add_error("ReadTimeout")
+    assert (parent.requests, parent.attempts, parent.stream_connections_closed, parent.passthrough) == (3, 4, 2, 1)
+    assert (account.requests, account.attempts, account.stream_connections_closed, account.passthrough) == (1, 2, 1, 0)
+    assert (parent.first_byte.summary().count, parent.first_byte.summary().max) == (2, 0.5)
+    assert (parent.errors, account.errors, other.errors) == ({"ReadTimeout": 2}, {}, {"ReadTimeout": 1})
+    parent.requests = 10
+    assert (parent.requests, account.requests, other.requests) == (10, 1, 1)
+    with pytest.raises(AttributeError, match=r"no counter 'request'; its counters: requests, "):
+        parent.add(request=1)
+    assert parent.snapshot().requests == 10
 
 
 def test_totals_keep_the_counts_of_a_transport_that_is_gone() -> None:

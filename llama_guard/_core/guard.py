@@ -70,9 +70,10 @@ class Guard:
         self._stats = stats
         self._accounts = Accounts(stats, stack)
         self.strategies = Strategies(policy.connection, stats, process.connections, unix_socket=unix_socket)
-        # Per URL (scheme, host, port): its origin's account and final connection strategy, for requests without
-        # options of their own (one lookup per request where there would be two).
-        self._routes: dict[tuple[str, str, int | None], tuple[GuardStats, ConnectionChoice]] = {}
+        # Per URL (scheme, host, port): its origin's account, final connection strategy, and whether a first attempt
+        # with a body held in memory goes out as it is, for requests without options of their own (one lookup per
+        # request where there would be three decisions).
+        self._routes: dict[tuple[str, str, int | None], tuple[GuardStats, ConnectionChoice, bool]] = {}
         # Connections whose probe was given up, watched a while for a late answer: ended when the guard closes.
         self.given_up = GivenUpWatches()
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
@@ -145,27 +146,36 @@ class Guard:
         the request's own options (a dict of `GuardPolicy` fields) or None; ``body``: its bytes when held in memory
         (None: a one-shot stream); ``may_close``: whether ``Connection: close`` may go on it (not where HTTP/2 may
         carry it); ``hooks_follow``: the stack sees the attempt's new connections anyway (a first attempt sent as it
-        is can still be probed and judged). Positional arguments: the drivers call it for every request, and keywords
-        cost a call about 2,000 instructions more."""
+        is can still be probed and judged), the same for every request of a driver. Positional arguments: the
+        drivers call it for every request, and keywords cost a call about 2,000 instructions more."""
         started = time.monotonic()
         stream = body is not None and request.method == "POST" and wants_stream(body)
         route = self._routes.get((scheme, host, port)) if overrides is None else None
         if route is not None:
             policy = self.policy
-            stats, connection = route
+            stats, connection, replayable_as_is = route
+            as_is = replayable_as_is and body is not None
         else:
             policy = self.policy if overrides is None else self.policy.merged(overrides)
             stats = self._accounts.of(scheme, host, port, origin)
             connection = self.strategies.choice(scheme, host, port, origin, policy.connection)
+            as_is = first_attempt_goes_as_is(
+                body,
+                has_overrides=overrides is not None,
+                adds_deadline=policy.first_byte_timeout is not None,
+                hooks_follow=hooks_follow,
+            )
             if overrides is None and connection.final and len(self._routes) < Accounts.MAX_REMEMBERED:
-                self._routes[scheme, host, port] = (stats, connection)
+                # The route's answer for a body that can be sent again: the rest of the question is the same for
+                # every request of the route (the guard's policy; hooks_follow, a fixed trait of the driver).
+                replayable_as_is = first_attempt_goes_as_is(
+                    b"",
+                    has_overrides=False,
+                    adds_deadline=policy.first_byte_timeout is not None,
+                    hooks_follow=hooks_follow,
+                )
+                self._routes[scheme, host, port] = (stats, connection, replayable_as_is)
         closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
-        as_is = first_attempt_goes_as_is(
-            body,
-            has_overrides=overrides is not None,
-            adds_deadline=policy.first_byte_timeout is not None,
-            hooks_follow=hooks_follow,
-        )
         # Positional: made for every request, and keywords double what the call costs (about 5,000 instructions).
         # A stream's connection the header does not close is dropped; only llama streams need it, and only a body that
         # asks for one (or could not be read) gets one: other responses skip the check (llama-server sends the rest

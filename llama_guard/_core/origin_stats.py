@@ -1,9 +1,8 @@
-"""Counts per (stack, origin), and the process's set of guards' counters, for ``llama_guard.metrics``.
+"""Counts per (stack, origin) summed over guards, and the process's set of guards' counters, for
+``llama_guard.metrics``.
 
-A transport's `GuardStats` counts everything it guarded. For metrics the same counts are wanted per origin and per
-stack (httpx, httpx2, aiohttp): `GuardStats.of_origin` gives an `OriginStats`, a `GuardStats` whose every count
-also goes to its parent, under the parent's one lock. A transport hands a request's counting to its origin's
-account instead of to its own `GuardStats`; nothing else changes.
+A transport counts each request on its origin's account (`GuardStats.of_origin`, an `OriginStats`), which its
+`GuardStats` shows with its own counts. `Accounts` finds a request's account by its URL's parts.
 
 `StatsSet` holds `GuardStats` objects weakly, and keeps the counts of those that are gone (folded into retired
 totals when their owner is collected), so that the totals it reports never go down while transports come and go.
@@ -17,134 +16,14 @@ import weakref
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 from .origins import Origin
-from .stats import COUNTERS, GuardStats, LatencyHistogram, StatsSnapshot
+from .stats import COUNTERS, GuardStats, LatencyHistogram, OriginStats, live_accounts
 
-__all__ = ["COUNTS", "EVERY_STATS", "Accounts", "OriginStats", "OriginTotals", "StatsSet"]
+__all__ = ["COUNTS", "EVERY_STATS", "Accounts", "OriginTotals", "StatsSet"]
 
 #: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
 COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
-
-
-class _ParentCondition:
-    """A condition of an origin's account that is its parent's (``stats.probing_off``...): read and set there."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self._name = name
-
-    def __get__(self, account: OriginStats | None, owner: type) -> Any:
-        if account is None:
-            return self
-        parent = account._parent()
-        return None if parent is None else getattr(parent, self._name)
-
-    def __set__(self, account: OriginStats, value: str | None) -> None:
-        parent = account._parent()
-        if parent is not None:
-            setattr(parent, self._name, value)
-
-
-class OriginStats(GuardStats):
-    """The counts of one origin through one stack: a `GuardStats` whose counts go to its parent too.
-
-    Shares the parent's lock; the conditions the parent reports (``public_path``, ``probing_off``,
-    ``late_answers_unseen``) are the parent's, read and set through this object alike. The parent is held weakly:
-    its accounts outlive it (`StatsSet` reads them once it is gone), and must not keep it alive.
-    """
-
-    _by_origin: dict[tuple[str, Origin], GuardStats] = {}  # noqa: RUF012 (never filled: an account has none)
-
-    def __init__(self, parent: GuardStats, stack: str, origin: Origin) -> None:  # no super(): see the properties
-        self._parent = weakref.ref(parent)
-        self._lock = parent._lock
-        self.stack = stack
-        self.origin = origin
-        self.connection_strategies: dict[str, str] = {}
-        self._final_strategies: set[str] = set()  # as GuardStats keeps them: see record_connection_choice
-        GuardStats.reset(self)
-
-    def of_origin(self, stack: str, origin: Origin) -> GuardStats:
-        raise TypeError("an origin's account has no accounts of its own: ask its parent")
-
-    # -- every count, to both ------------------------------------------------------------------------------------
-
-    def add(self, **increments: int) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.add(**increments)
-        super().add(**increments)
-
-    def add_error(self, kind: str) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.add_error(kind)
-        super().add_error(kind)
-
-    def record_retry(self, reason: str, *, stall: bool) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.record_retry(reason, stall=stall)
-        super().record_retry(reason, stall=stall)
-
-    def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
-        """`GuardStats.record_request` for both in one hold of the shared lock (once per request: half the
-        instructions of two calls); the first byte goes to this account's histogram alone, which the parent's
-        snapshot merges (`GuardStats.snapshot`)."""
-        parent = self._parent()
-        lock = self._lock
-        lock.acquire()
-        try:
-            self._count_request(attempts, closed_by_header)
-            if parent is not None:
-                parent._count_request(attempts, closed_by_header)
-            if first_byte is not None:
-                self.first_byte.record(first_byte)
-        finally:
-            lock.release()
-
-    def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
-        """`GuardStats.record_probe` for both in one hold of the shared lock, as `record_request`."""
-        parent = self._parent()
-        with self._lock:
-            self._count_probe(seconds, answered, given_up, rescued)
-            if parent is not None:
-                parent._count_probe(seconds, answered, given_up, rescued)
-
-    def record_admission_wait(self, seconds: float) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.record_admission_wait(seconds)
-        super().record_admission_wait(seconds)
-
-    def record_connection_choice(self, *args: Any, **kwargs: Any) -> None:
-        parent = self._parent()
-        if parent is not None:
-            parent.record_connection_choice(*args, **kwargs)
-        super().record_connection_choice(*args, **kwargs)
-
-    # -- the parent's conditions ---------------------------------------------------------------------------------
-
-    public_path = _ParentCondition()
-    probing_off = _ParentCondition()
-    late_answers_unseen = _ParentCondition()
-    bypassed = _ParentCondition()
-
-    def snapshot(self) -> StatsSnapshot:
-        """`GuardStats.snapshot`, with every condition the parent reports (any ``str | None`` attribute it has that
-        this account does not keep: one added to GuardStats later too), read from the parent now. (Not a
-        ``__getattr__``: that would slow every attribute access of the account, which counts every request.)"""
-        parent = self._parent()
-        if parent is not None:
-            own = vars(self)
-            for name, value in vars(parent).items():
-                if (value is None or isinstance(value, str)) and not name.startswith("_"):
-                    own[name] = value
-        return super().snapshot()
-
-    def __repr__(self) -> str:
-        return f"<OriginStats {self.stack} {self.origin} {super().__repr__()}>"
 
 
 @dataclass
@@ -193,7 +72,7 @@ class StatsSet:
         self._retired: dict[Key, OriginTotals] = {}
         # The accounts of GuardStats collected since the last reading: appended by their finalizer (which may run in
         # any thread, inside a garbage collection, so it takes no lock) and folded into _retired when read.
-        self._gone: list[dict[Key, GuardStats]] = []
+        self._gone: list[dict[Key, OriginStats]] = []
         self._lock = threading.Lock()
         for item in stats:
             self.add(item)
@@ -206,7 +85,7 @@ class StatsSet:
             if stats in self._live:
                 return
             self._live.add(stats)
-        finalizer = weakref.finalize(stats, _retire, weakref.ref(self), stats._by_origin)
+        finalizer = weakref.finalize(stats, _retire, weakref.ref(self), live_accounts(stats))
         finalizer.atexit = False
 
     def __contains__(self, stats: object) -> bool:
@@ -217,11 +96,11 @@ class StatsSet:
         result: dict[Key, OriginTotals] = {}
         with self._lock:
             while self._gone:
-                for key, account in self._gone.pop().items():
+                for key, gone in self._gone.pop().items():
                     retired = self._retired.get(key)
                     if retired is None:
                         retired = self._retired[key] = OriginTotals(*key)
-                    retired.add(account)
+                    retired.add(gone)
             live = list(self._live)
             for key, retired in self._retired.items():
                 result[key] = OriginTotals(*key)
@@ -236,7 +115,7 @@ class StatsSet:
         return result
 
 
-def _retire(owner: weakref.ref[StatsSet], accounts: dict[Key, GuardStats]) -> None:
+def _retire(owner: weakref.ref[StatsSet], accounts: dict[Key, OriginStats]) -> None:
     stats_set = owner()
     if stats_set is not None and accounts:
         stats_set._gone.append(accounts)

@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 if TYPE_CHECKING:
     from .origins import Origin
 
-__all__ = ["COUNTERS", "GuardStats", "LatencyHistogram", "LatencySummary", "StatsSnapshot"]
+__all__ = [
+    "COUNTERS",
+    "GuardStats",
+    "LatencyHistogram",
+    "LatencySummary",
+    "OriginStats",
+    "StatsSnapshot",
+    "live_accounts",
+]
 
 #: The whole-number counters of `GuardStats` and `StatsSnapshot`, in the order they are shown.
 COUNTERS = (
@@ -214,14 +224,105 @@ class StatsSnapshot:
         return data
 
 
+class _Count:
+    """A whole-number counter of a `GuardStats`, read as its own count plus its origin accounts' (`of_origin`).
+
+    Each count is kept once, by the object that counted it (a transport counts a request on its origin's account):
+    summed when read, which is rare, instead of written twice for every request. Setting it sets the total.
+    """
+
+    __slots__ = ("_name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, stats: None, owner: type) -> _Count: ...
+    @overload
+    def __get__(self, stats: GuardStats, owner: type) -> int: ...
+    def __get__(self, stats: GuardStats | None, owner: type) -> int | _Count:
+        if stats is None:
+            return self
+        name = self._name
+        total = stats._counts[name]
+        for account in tuple(stats._by_origin.values()):  # a copy in one step: another thread may add an origin
+            total += account._counts[name]
+        return total
+
+    def __set__(self, stats: GuardStats, value: int) -> None:
+        stats._counts[self._name] += value - self.__get__(stats, type(stats))
+
+
+_Merged = TypeVar("_Merged", LatencyHistogram, Counter[str])
+
+
+class _Summed(Generic[_Merged]):
+    """A distribution (`LatencyHistogram`) or a tally (``Counter``) of a `GuardStats`, read as its own merged with
+    its origin accounts' (see `_Count`): the object itself while it has no accounts, a merged copy otherwise."""
+
+    __slots__ = ("_add", "_own")
+
+    def __init__(self, add: Callable[[_Merged, _Merged], object]) -> None:
+        self._add: Callable[[_Merged, _Merged], object] = add  # adds the second's samples to the first
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._own = f"_{name}"
+
+    @overload
+    def __get__(self, stats: None, owner: type) -> _Summed[_Merged]: ...
+    @overload
+    def __get__(self, stats: GuardStats, owner: type) -> _Merged: ...
+    def __get__(self, stats: GuardStats | None, owner: type) -> _Merged | _Summed[_Merged]:
+        if stats is None:
+            return self
+        own: _Merged = getattr(stats, self._own)
+        accounts: tuple[OriginStats, ...] = tuple(stats._by_origin.values())
+        if not accounts:
+            return own
+        merged = type(own)()
+        for part in (own, *(getattr(account, self._own) for account in accounts)):
+            self._add(merged, part)
+        return merged
+
+
+def _tally(into: Counter[str], other: Counter[str]) -> None:
+    into.update(other)
+
+
 class GuardStats:
     """Live counters of one guarded transport (``transport.stats``).
 
     Attributes are read directly (``stats.retries``); `snapshot()` gives a consistent copy of all of them.
     ``requests`` counts requests to llama-server origins that the guard handled; ``passthrough`` those it let by
     unchanged. ``errors`` counts the failures of attempts by kind (the httpx exception class name), including those
-    that a retry then recovered.
+    that a retry then recovered. A transport counts each request on its origin's account (`of_origin`); what this
+    object shows is its own counts plus its accounts'.
     """
+
+    _by_origin: dict[tuple[str, Origin], OriginStats]
+
+    requests = _Count()
+    passthrough = _Count()
+    attempts = _Count()
+    retries = _Count()
+    stall_reconnects = _Count()
+    stream_connections_closed = _Count()
+    probes_sent = _Count()
+    probes_failed = _Count()
+    probes_given_up = _Count()
+    probes_answered_late = _Count()
+    probe_kicks = _Count()
+    probe_kicks_failed = _Count()
+    probes_rescued = _Count()
+    admission_waits = _Count()
+    stream_connections_dropped = _Count()
+    spares_opened = _Count()
+    spares_used = _Count()
+    errors = _Summed(_tally)
+    retries_by_reason = _Summed(_tally)
+    first_byte = _Summed(LatencyHistogram.merge)
+    probe_latency = _Summed(LatencyHistogram.merge)
+    admission_wait = _Summed(LatencyHistogram.merge)
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -232,65 +333,52 @@ class GuardStats:
         self._final_strategies: set[str] = set()  # origins whose strategy is chosen: a provisional one never returns
         self.bypassed: str | None = None  # set when a closing transport finds its client sent round it; ditto
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
-        self._by_origin: dict[tuple[str, Origin], GuardStats] = {}
+        self._by_origin: dict[tuple[str, Origin], OriginStats] = {}
         self.reset()
         from .origin_stats import EVERY_STATS  # imports this module
 
         EVERY_STATS.add(self)
 
     def reset(self) -> None:
-        """Zero every counter and distribution."""
+        """Zero every counter and distribution, its accounts' too."""
         with self._lock:
-            self.requests = 0
-            self.passthrough = 0
-            self.attempts = 0
-            self.retries = 0
-            self.stall_reconnects = 0
-            self.stream_connections_closed = 0
-            self.probes_sent = 0
-            self.probes_failed = 0
-            self.probes_given_up = 0
-            self.probes_answered_late = 0
-            self.probe_kicks = 0
-            self.probe_kicks_failed = 0
-            self.probes_rescued = 0
-            self.admission_waits = 0
-            self.admission_wait = LatencyHistogram()
-            self.stream_connections_dropped = 0
-            self.spares_opened = 0
-            self.spares_used = 0
-            self.errors: Counter[str] = Counter()
-            self.retries_by_reason: Counter[str] = Counter()
-            self.first_byte = LatencyHistogram()
-            self.probe_latency = LatencyHistogram()
-        for account in list(self._by_origin.values()):
+            self._counts = dict.fromkeys(COUNTERS, 0)
+            self._errors: Counter[str] = Counter()
+            self._retries_by_reason: Counter[str] = Counter()
+            self._first_byte = LatencyHistogram()
+            self._probe_latency = LatencyHistogram()
+            self._admission_wait = LatencyHistogram()
+        for account in tuple(self._by_origin.values()):
             account.reset()
 
     def add(self, **increments: int) -> None:
         """Add to counters by name, atomically: ``stats.add(attempts=1, retries=1)``."""
+        counts = self._counts
+        for name in increments:
+            if name not in counts:
+                raise AttributeError(f"GuardStats has no counter {name!r}; its counters: {', '.join(COUNTERS)}")
         with self._lock:
             for name, value in increments.items():
-                setattr(self, name, getattr(self, name) + value)
+                counts[name] += value
 
     def add_error(self, kind: str) -> None:
         with self._lock:
-            self.errors[kind] += 1
+            self._errors[kind] += 1
 
     def record_retry(self, reason: str, *, stall: bool) -> None:
         """A retry is about to go out because of ``reason`` (see `StatsSnapshot.retries_by_reason`)."""
         with self._lock:
-            self.retries += 1
-            self.stall_reconnects += stall
-            self.retries_by_reason[reason] += 1
+            counts = self._counts
+            counts["retries"] += 1
+            counts["stall_reconnects"] += stall
+            self._retries_by_reason[reason] += 1
 
     def of_origin(self, stack: str, origin: Origin) -> GuardStats:
         """The counts of ``origin`` reached through ``stack`` (``"httpx"``, ``"httpx2"``, ``"aiohttp"``): a
-        `GuardStats` whose every count goes to this one too. Made on first use; the same object afterwards."""
+        `GuardStats` whose counts this one shows too. Made on first use; the same object afterwards."""
         key = (stack, origin)
         account = self._by_origin.get(key)
         if account is None:
-            from .origin_stats import OriginStats
-
             made = OriginStats(self, stack, origin)  # outside the lock, which it shares
             with self._lock:
                 account = self._by_origin.setdefault(key, made)
@@ -303,39 +391,32 @@ class GuardStats:
 
     def record_request(self, attempts: int, first_byte: float | None, closed_by_header: bool) -> None:
         """One guarded request has ended: its attempts, its first-byte latency if it was answered, and whether it
-        went out with ``Connection: close``. One lock for all (acquire/release: cheaper than ``with``, per request).
-        A transport counts through its origins' accounts (`OriginStats.record_request`), not here."""
+        went out with ``Connection: close``. One lock for all (acquire/release: cheaper than ``with``, per request)."""
         lock = self._lock
         lock.acquire()
         try:
-            self._count_request(attempts, closed_by_header)
+            counts = self._counts
+            counts["requests"] += 1
+            counts["attempts"] += attempts
+            if closed_by_header:
+                counts["stream_connections_closed"] += 1
             if first_byte is not None:
-                self.first_byte.record(first_byte)
+                self._first_byte.record(first_byte)
         finally:
             lock.release()
-
-    def _count_request(self, attempts: int, closed_by_header: bool) -> None:
-        """A request's counts, the lock held (`record_request`; an origin's account and its parent in one hold)."""
-        self.requests += 1
-        self.attempts += attempts
-        if closed_by_header:
-            self.stream_connections_closed += 1
 
     def record_probe(self, seconds: float, *, answered: bool, given_up: bool = False, rescued: bool = False) -> None:
         """A probe ended: answered in ``seconds`` (``rescued``: after a kick), or failed (``given_up``: its deadline
         passed)."""
         with self._lock:
-            self._count_probe(seconds, answered, given_up, rescued)
-
-    def _count_probe(self, seconds: float, answered: bool, given_up: bool, rescued: bool) -> None:
-        """A probe's counts, the lock held (`record_probe`; an origin's account and its parent in one hold)."""
-        self.probes_sent += 1
-        if answered:
-            self.probe_latency.record(seconds)
-            self.probes_rescued += rescued
-        else:
-            self.probes_failed += 1
-            self.probes_given_up += given_up
+            counts = self._counts
+            counts["probes_sent"] += 1
+            if answered:
+                self._probe_latency.record(seconds)
+                counts["probes_rescued"] += rescued
+            else:
+                counts["probes_failed"] += 1
+                counts["probes_given_up"] += given_up
 
     def record_connection_choice(self, origin: str, choice: str, *, final: bool = True) -> None:
         """The connection strategy of ``origin`` (``GuardPolicy.connection``) is ``choice`` now. A provisional one
@@ -351,22 +432,16 @@ class GuardStats:
 
     def record_admission_wait(self, seconds: float) -> None:
         with self._lock:
-            self.admission_waits += 1
-            self.admission_wait.record(seconds)
+            self._counts["admission_waits"] += 1
+            self._admission_wait.record(seconds)
 
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
-            first_byte = self.first_byte
-            if self._by_origin:  # an account keeps its requests' first bytes alone (`OriginStats.record_request`)
-                first_byte = LatencyHistogram()
-                first_byte.merge(self.first_byte)
-                for account in self._by_origin.values():
-                    first_byte.merge(account.first_byte)
             return StatsSnapshot(
                 **{name: getattr(self, name) for name in COUNTERS},
                 errors=dict(self.errors),
                 retries_by_reason=dict(self.retries_by_reason),
-                first_byte=first_byte.summary(),
+                first_byte=self.first_byte.summary(),
                 probe_latency=self.probe_latency.summary(),
                 admission_wait=self.admission_wait.summary(),
                 public_path=self.public_path,
@@ -395,3 +470,78 @@ class GuardStats:
             f"probes_given_up={snap.probes_given_up} probes_answered_late={snap.probes_answered_late} "
             f"admission_waits={snap.admission_waits}{kicks}{probing} errors={snap.errors}{latency}>"
         )
+
+
+def live_accounts(stats: GuardStats) -> dict[tuple[str, Origin], OriginStats]:
+    """``stats``' accounts per origin, the dict itself (not `GuardStats.by_origin`'s copy): what `StatsSet` keeps to
+    read once ``stats`` is gone, with any account made after it was followed."""
+    return stats._by_origin
+
+
+class _ParentCondition:
+    """A condition of an origin's account that is its parent's (``stats.probing_off``...): read and set there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, account: OriginStats | None, owner: type) -> Any:
+        if account is None:
+            return self
+        parent = account._parent()
+        return None if parent is None else getattr(parent, self._name)
+
+    def __set__(self, account: OriginStats, value: str | None) -> None:
+        parent = account._parent()
+        if parent is not None:
+            setattr(parent, self._name, value)
+
+
+class OriginStats(GuardStats):
+    """The counts of one origin through one stack (`GuardStats.of_origin`), which its parent shows with its own.
+
+    Shares the parent's lock; the conditions the parent reports (``public_path``, ``probing_off``,
+    ``late_answers_unseen``) and its connection strategies are the parent's, read and set through this object alike.
+    The parent is held weakly: its accounts outlive it (`StatsSet` reads them once it is gone), and must not keep it
+    alive.
+    """
+
+    _by_origin: dict[tuple[str, Origin], OriginStats] = {}  # noqa: RUF012 (never filled: an account has none)
+
+    def __init__(self, parent: GuardStats, stack: str, origin: Origin) -> None:  # no super(): see the properties
+        self._parent = weakref.ref(parent)
+        self._lock = parent._lock
+        self.stack = stack
+        self.origin = origin
+        self.connection_strategies: dict[str, str] = {}
+        self._final_strategies: set[str] = set()  # as GuardStats keeps them: see record_connection_choice
+        GuardStats.reset(self)
+
+    def of_origin(self, stack: str, origin: Origin) -> GuardStats:
+        raise TypeError("an origin's account has no accounts of its own: ask its parent")
+
+    def record_connection_choice(self, origin: str, choice: str, *, final: bool = True) -> None:
+        """Recorded here and for the parent, which reports every origin's strategy."""
+        parent = self._parent()
+        if parent is not None:
+            parent.record_connection_choice(origin, choice, final=final)
+        super().record_connection_choice(origin, choice, final=final)
+
+    public_path = _ParentCondition()
+    probing_off = _ParentCondition()
+    late_answers_unseen = _ParentCondition()
+    bypassed = _ParentCondition()
+
+    def snapshot(self) -> StatsSnapshot:
+        """`GuardStats.snapshot`, with every condition the parent reports (any ``str | None`` attribute it has that
+        this account does not keep: one added to GuardStats later too), read from the parent now. (Not a
+        ``__getattr__``: that would slow every attribute access of the account, which counts every request.)"""
+        parent = self._parent()
+        if parent is not None:
+            own = vars(self)
+            for name, value in vars(parent).items():
+                if (value is None or isinstance(value, str)) and not name.startswith("_"):
+                    own[name] = value
+        return super().snapshot()
+
+    def __repr__(self) -> str:
+        return f"<OriginStats {self.stack} {self.origin} {super().__repr__()}>"
