@@ -9,7 +9,6 @@ import pytest
 from llama_guard._core.decisions import (
     FailureKind,
     Progress,
-    ProgressTracker,
     classify_request,
     first_attempt_goes_as_is,
     is_inference_path,
@@ -19,6 +18,7 @@ from llama_guard._core.decisions import (
     verdict_for_status,
     wants_stream,
 )
+from llama_guard._core.request_machine import ProgressTracker
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,9 @@ loop, each stack gives it an `AttemptIO`) and reports the outcome as the next ev
                        ╰──Failed──> WAITING ──SLEPT──> SENDING      (or DONE: Fail, RERAISE)
 
 A request's new connections during an attempt have machines of their own (``connection_machine.py``), which report
-here how far the attempt got (`connecting`, `connected`) and what the probes found. A pair of state and event that
-cannot happen raises `UnexpectedEvent`: a driver that reports out of turn is a bug, never guessed at.
+here how far the attempt got (`connecting`, `connected`: kept by its `ProgressTracker`) and what the probes found. A
+pair of state and event that cannot happen raises `UnexpectedEvent`: a driver that reports out of turn is a bug,
+never guessed at.
 
 Most requests never get a machine: their first attempt goes out as the caller built it and is answered on a pooled
 connection (`RequestPlan.as_is`, ``guard.py``). A machine is made when something needs one (a new connection to
@@ -29,7 +30,6 @@ from .decisions import (
     PROBE_LOADING,
     FailureKind,
     Progress,
-    ProgressTracker,
     RequestKind,
     Verdict,
     classify_request,
@@ -59,6 +59,7 @@ __all__ = [
     "Done",
     "Fail",
     "Failed",
+    "ProgressTracker",
     "RequestAction",
     "RequestEvent",
     "RequestMachine",
@@ -70,6 +71,86 @@ __all__ = [
     "UnexpectedEvent",
     "retry_reason",
 ]
+
+
+def _steps() -> dict[str, Progress | str]:
+    """httpcore trace event names ("<module>.<step>.<phase>") -> what each says about an attempt."""
+    steps: dict[str, Progress | str] = {
+        "connection.connect_tcp.started": "connect",
+        "connection.connect_unix_socket.started": "connect",
+        "connection.connect_tcp.complete": Progress.CONNECTED,
+        "connection.connect_unix_socket.complete": Progress.CONNECTED,
+    }
+    for module in ("http11", "http2"):
+        steps[f"{module}.send_request_headers.started"] = Progress.WRITING
+        steps[f"{module}.send_request_body.started"] = "body"
+        steps[f"{module}.send_request_body.complete"] = Progress.WRITTEN
+        steps[f"{module}.receive_response_headers.complete"] = Progress.HEADERS
+    return steps
+
+
+_STEPS: Final = _steps()
+
+
+class ProgressTracker:
+    """How far one attempt got, for the retry decision when it fails.
+
+    Fed one of two ways:
+
+    - ``hooked=True``: by the guard's hooks on the pool's network backend (``_httpx/async_connections.py``), which
+      see each new connection (`connecting`, then `connected` once it is up and probed) and nothing else: they
+      cost nothing on a pooled connection. A failure on a connection that was up is then taken as "request written":
+      httpcore writes as soon as it holds a connection, and nothing but the write and the read can fail after
+      that. This tells "nothing sent" only where it matters (connect and probe failures) and errs on the side of
+      "may have reached the server" everywhere else.
+    - otherwise: from httpcore's trace event names (`observe`), for a wrapped transport whose pool the guard
+      cannot reach.
+    """
+
+    __slots__ = ("body_started", "hooked", "new_connection", "progress", "saw_events")
+
+    def __init__(self, *, hooked: bool = False) -> None:
+        self.progress = Progress.NOTHING
+        self.new_connection = False
+        self.body_started = False
+        self.saw_events = False
+        self.hooked = hooked
+
+    @property
+    def reused_connection(self) -> bool:
+        """The request went out on a pooled connection (no connect happened during this attempt)."""
+        if self.hooked:
+            return not self.new_connection
+        return self.progress >= Progress.WRITING and not self.new_connection
+
+    def connecting(self) -> None:
+        self.saw_events = True
+        self.new_connection = True
+
+    def connected(self) -> None:
+        """The new connection is up, and probed when the probe is on: nothing of the request is written yet."""
+        self.progress = max(self.progress, Progress.CONNECTED)
+
+    def observe(self, event: str) -> None:
+        self.saw_events = True
+        step = _STEPS.get(event)
+        if step is None:
+            return
+        if isinstance(step, Progress):
+            self.progress = max(self.progress, step)
+        elif step == "connect":
+            self.new_connection = True
+        else:
+            self.body_started = True
+
+    def effective_progress(self) -> Progress:
+        """Progress for retry decisions, assuming the worst where it is not known: the request was written."""
+        if self.hooked:
+            # Only a connect or a probe that failed is known to have sent nothing.
+            connect_failed = self.new_connection and self.progress is Progress.NOTHING
+            return Progress.NOTHING if connect_failed else Progress.WRITTEN
+        return self.progress if self.saw_events else Progress.WRITTEN
+
 
 # A retriable 503/429 is read and closed before the retry; a larger body means it is not llama-server's short
 # JSON error, and the response goes to the caller instead.
