@@ -76,9 +76,8 @@ class GuardMiddleware(GuardAttributes):
                 return await self._pass_through(request, handler, origin)
         body = await request_body(request)
         plan = guard.plan(RequestView(request), scheme, host, port, origin, current_options(), body)
-        attempts = AiohttpAttempts(plan, handler)
         if not plan.as_is:
-            return await drive_request(plan.start(), attempts, BEGIN)
+            return await drive_request(plan.start(), AiohttpAttempts(plan, handler), BEGIN)
 
         # The usual request: its first attempt goes out as it is, with no machine unless something needs one (a new
         # connection to probe, a failure, a 503/429): most are answered here, on a pooled connection.
@@ -88,6 +87,7 @@ class GuardMiddleware(GuardAttributes):
         try:
             response: aiohttp.ClientResponse = await handler(request)
         except Exception as exc:
+            attempts = AiohttpAttempts(plan, handler)  # only now: most requests never need one
             return await drive_request(plan.machine(), attempts, attempts.failed(exc))
         except BaseException:  # cancelled: counted, as any request
             plan.interrupted()
@@ -95,6 +95,7 @@ class GuardMiddleware(GuardAttributes):
         finally:
             CURRENT_PLAN.reset(token)
         if response.status in RETRIED_STATUSES:
+            attempts = AiohttpAttempts(plan, handler)
             return await drive_request(plan.machine(), attempts, attempts.answered(response))
         dropped = plan.drops_streams and is_streaming_response(response.headers) and drop_stream(response, plan.stats)
         result = RESULTS[response] = plan.answered_at_once(dropped)
