@@ -70,10 +70,10 @@ class Guard:
         self._stats = stats
         self._accounts = Accounts(stats, stack)
         self.strategies = Strategies(policy.connection, stats, process.connections, unix_socket=unix_socket)
-        # Per URL (scheme, host, port): its origin's account, final connection strategy, and whether a first attempt
-        # with a body held in memory goes out as it is, for requests without options of their own (one lookup per
-        # request where there would be three decisions).
-        self._routes: dict[tuple[str, str, int | None], tuple[GuardStats, ConnectionChoice, bool]] = {}
+        # Per URL (scheme, host, port): its origin's account, final connection strategy, whether a first attempt
+        # with a body held in memory goes out as it is, and its origin, for requests without options of their own
+        # (one lookup per request where there would be three decisions, and the origin worked out once).
+        self._routes: dict[tuple[str, str, int | None], tuple[GuardStats, ConnectionChoice, bool, Origin]] = {}
         # Connections whose probe was given up, watched a while for a late answer: ended when the guard closes.
         self.given_up = GivenUpWatches()
         # Origins whose server closed the connection after answering a probe: probing them cannot work.
@@ -153,8 +153,10 @@ class Guard:
         route = self._routes.get((scheme, host, port)) if overrides is None else None
         if route is not None:
             policy = self.policy
-            stats, connection, replayable_as_is = route
+            stats, connection, replayable_as_is, route_origin = route
             as_is = replayable_as_is and body is not None
+            if origin is None:
+                origin = route_origin
         else:
             policy = self.policy if overrides is None else self.policy.merged(overrides)
             stats = self._accounts.of(scheme, host, port, origin)
@@ -174,7 +176,8 @@ class Guard:
                     adds_deadline=policy.first_byte_timeout is not None,
                     hooks_follow=hooks_follow,
                 )
-                self._routes[scheme, host, port] = (stats, connection, replayable_as_is)
+                known = origin if origin is not None else Origin.of_url(request.url)  # as `RequestPlan.origin`
+                self._routes[scheme, host, port] = (stats, connection, replayable_as_is, known)
         closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
         # Positional: made for every request, and keywords double what the call costs (about 5,000 instructions).
         # A stream's connection the header does not close is dropped; only llama streams need it, and only a body that
