@@ -27,9 +27,8 @@ import llama_guard
 import llama_guard.metrics
 from llama_guard import GuardPolicy, GuardStats, Origin
 from llama_guard._core.decisions import FailureKind, Progress, RequestKind, verdict_for_failure, verdict_for_status
-from llama_guard._core.origin_stats import COUNTS, StatsSet
 from llama_guard._core.request_machine import retry_reason
-from llama_guard._core.stats import COUNTERS, LatencyHistogram, _Count, _Summed
+from llama_guard._core.stats import COUNTERS, COUNTS, LatencyHistogram, StatsSet, _Count, _Summed
 from llama_guard.metrics import FIRST_BYTE_BUCKETS, METRICS, PrometheusCollector, instrument_opentelemetry
 from llama_guard.testing import LlamaServerEmulator
 

@@ -22,7 +22,6 @@ from .connection_strategy import ConnectionChoice, Strategies, is_loopback_host
 from .decisions import first_attempt_goes_as_is, wants_stream
 from .log import describe_request
 from .origin_probes import GivenUpWatches, OriginProbes
-from .origin_stats import Accounts
 from .origins import Origin, OriginRegistry
 from .policy import GuardPolicy
 from .process_state import ProcessState
@@ -30,10 +29,37 @@ from .request_machine import RequestMachine
 from .result import GuardResult
 from .stats import GuardStats
 
-__all__ = ["Guard", "GuardAttributes", "RequestPlan"]
+__all__ = ["Accounts", "Guard", "GuardAttributes", "RequestPlan"]
 
 
 GuardT = TypeVar("GuardT", bound="Guard")
+
+
+class Accounts:
+    """One transport's (or middleware's) accounts per origin in its `GuardStats` (`GuardStats.of_origin`),
+    remembered by the URL's (scheme, host, port) as its HTTP library spells them: one dict lookup per request."""
+
+    __slots__ = ("_known", "_stack", "_stats")
+
+    #: Origins remembered by their URL's parts; more are looked up each time (a client of very many servers).
+    MAX_REMEMBERED = 256
+
+    def __init__(self, stats: GuardStats, stack: str) -> None:
+        """``stack``: the name counts are kept under (``"httpx"``, ``"httpx2"``, ``"aiohttp"``, ``"requests"``)."""
+        self._stats = stats
+        self._stack = stack
+        self._known: dict[tuple[str, str, int | None], GuardStats] = {}
+
+    def of(self, scheme: str, host: str, port: int | None, origin: Origin | None) -> GuardStats:
+        """The account of a request's origin (``origin``: if the caller worked it out already)."""
+        account = self._known.get((scheme, host, port))
+        if account is None:
+            account = self._stats.of_origin(
+                self._stack, origin if origin is not None else Origin.of(scheme, host, port)
+            )
+            if len(self._known) < self.MAX_REMEMBERED:
+                self._known[scheme, host, port] = account
+        return account
 
 
 class Guard:

@@ -1,8 +1,14 @@
-"""Counters and latency distributions a guarded transport keeps, safe to update from many threads and tasks.
+"""Counters a guarded transport keeps, safe to update from many threads and tasks, and the process's set of them.
 
-Latencies go into a log-bucketed histogram of fixed size (about 2% resolution from 10 microseconds to a day), so
-a client that serves millions of requests keeps constant memory, while the maximum stays exact: with the defects
-this library exists for, the maximum is the figure that matters, not the average.
+A transport's `GuardStats` has an account per (stack, origin) (`GuardStats.of_origin`, an `OriginStats`): each
+request is counted once, on its origin's account, and the transport's stats read as their own counts plus their
+accounts'. Latencies go into a log-bucketed histogram of fixed size (about 2% resolution from 10 microseconds to a
+day), so a client that serves millions of requests keeps constant memory, while the maximum stays exact: with the
+defects this library exists for, the maximum is the figure that matters, not the average.
+
+`StatsSet` holds `GuardStats` objects weakly, and keeps the counts of those that are gone (folded into retired
+totals when their owner is collected), so that the totals it reports never go down while transports come and go.
+`EVERY_STATS` is the process's: every `GuardStats` joins it when it is made; ``llama_guard.metrics`` reads it.
 """
 
 from __future__ import annotations
@@ -12,21 +18,23 @@ import threading
 import weakref
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+from typing import Any, Generic, TypeVar, overload
 
-if TYPE_CHECKING:
-    from .origins import Origin
+from .origins import Origin
 
 __all__ = [
     "COUNTERS",
+    "COUNTS",
+    "EVERY_STATS",
     "GuardStats",
     "LatencyHistogram",
     "LatencySummary",
     "OriginStats",
+    "OriginTotals",
+    "StatsSet",
     "StatsSnapshot",
-    "live_accounts",
 ]
 
 #: The whole-number counters of `GuardStats` and `StatsSnapshot`, in the order they are shown.
@@ -49,6 +57,9 @@ COUNTERS = (
     "spares_opened",
     "spares_used",
 )
+#: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
+COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
+
 
 _MIN_SECONDS = 1e-5
 _GROWTH = 1.02
@@ -335,8 +346,6 @@ class GuardStats:
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
         self._by_origin: dict[tuple[str, Origin], OriginStats] = {}
         self.reset()
-        from .origin_stats import EVERY_STATS  # imports this module
-
         EVERY_STATS.add(self)
 
     def reset(self) -> None:
@@ -472,12 +481,6 @@ class GuardStats:
         )
 
 
-def live_accounts(stats: GuardStats) -> dict[tuple[str, Origin], OriginStats]:
-    """``stats``' accounts per origin, the dict itself (not `GuardStats.by_origin`'s copy): what `StatsSet` keeps to
-    read once ``stats`` is gone, with any account made after it was followed."""
-    return stats._by_origin
-
-
 class _ParentCondition:
     """A condition of an origin's account that is its parent's (``stats.probing_off``...): read and set there."""
 
@@ -545,3 +548,102 @@ class OriginStats(GuardStats):
 
     def __repr__(self) -> str:
         return f"<OriginStats {self.stack} {self.origin} {super().__repr__()}>"
+
+
+@dataclass
+class OriginTotals:
+    """The counts of one (stack, origin), summed over guards: what the exporters read."""
+
+    stack: str
+    origin: Origin
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    errors: Counter[str] = field(default_factory=Counter)
+    retries_by_reason: Counter[str] = field(default_factory=Counter)
+    first_byte: LatencyHistogram = field(default_factory=LatencyHistogram)
+    connection_strategy: str | None = None
+
+    def add(self, account: GuardStats, strategies: dict[str, str] | None = None) -> None:
+        """Add ``account``'s counts (read under its lock: one consistent moment); ``strategies``: its parent's
+        connection strategies (``GuardStats.connection_strategies``), where a transport records its choices."""
+        with account._lock:
+            for name in COUNTS:
+                self.counts[name] += getattr(account, name)
+            self.errors.update(account.errors)
+            self.retries_by_reason.update(account.retries_by_reason)
+            self.first_byte.merge(account.first_byte)
+            for choices in (getattr(account, "connection_strategies", None), strategies):
+                if choices:
+                    self.connection_strategy = choices.get(str(self.origin), self.connection_strategy)
+
+    def merged(self, other: OriginTotals) -> None:
+        for name in COUNTS:
+            self.counts[name] += other.counts[name]
+        self.errors.update(other.errors)
+        self.retries_by_reason.update(other.retries_by_reason)
+        self.first_byte.merge(other.first_byte)
+        if other.connection_strategy is not None:
+            self.connection_strategy = other.connection_strategy
+
+
+Key = tuple[str, Origin]
+
+
+class StatsSet:
+    """`GuardStats` objects held weakly, with the counts of those already gone: totals never go down."""
+
+    def __init__(self, stats: Iterable[GuardStats] = ()) -> None:
+        self._live: weakref.WeakSet[GuardStats] = weakref.WeakSet()
+        self._retired: dict[Key, OriginTotals] = {}
+        # The accounts of GuardStats collected since the last reading: appended by their finalizer (which may run in
+        # any thread, inside a garbage collection, so it takes no lock) and folded into _retired when read.
+        self._gone: list[dict[Key, OriginStats]] = []
+        self._lock = threading.Lock()
+        for item in stats:
+            self.add(item)
+
+    def add(self, stats: GuardStats) -> None:
+        """Follow ``stats`` (a transport's, an installation's) for as long as it lives; then keep its counts."""
+        if isinstance(stats, OriginStats):
+            raise TypeError("add the transport's GuardStats, not one origin's account")
+        with self._lock:
+            if stats in self._live:
+                return
+            self._live.add(stats)
+        finalizer = weakref.finalize(stats, _retire, weakref.ref(self), stats._by_origin)  # the dict: later ones too
+        finalizer.atexit = False
+
+    def __contains__(self, stats: object) -> bool:
+        return stats in self._live
+
+    def totals(self) -> dict[Key, OriginTotals]:
+        """Per (stack, origin): the counts of every followed `GuardStats`, live or gone."""
+        result: dict[Key, OriginTotals] = {}
+        with self._lock:
+            while self._gone:
+                for key, gone in self._gone.pop().items():
+                    retired = self._retired.get(key)
+                    if retired is None:
+                        retired = self._retired[key] = OriginTotals(*key)
+                    retired.add(gone)
+            live = list(self._live)
+            for key, retired in self._retired.items():
+                result[key] = OriginTotals(*key)
+                result[key].merged(retired)
+        for stats in live:
+            strategies = getattr(stats, "connection_strategies", None)
+            for key, account in stats.by_origin().items():
+                totals = result.get(key)
+                if totals is None:
+                    totals = result[key] = OriginTotals(*key)
+                totals.add(account, strategies)
+        return result
+
+
+def _retire(owner: weakref.ref[StatsSet], accounts: dict[Key, OriginStats]) -> None:
+    stats_set = owner()
+    if stats_set is not None and accounts:
+        stats_set._gone.append(accounts)
+
+
+#: Every `GuardStats` of the process (each joins when made): what the exporters read unless told otherwise.
+EVERY_STATS = StatsSet()

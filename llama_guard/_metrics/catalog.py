@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .._core.origin_stats import EVERY_STATS, OriginTotals, StatsSet
 from .._core.origins import Origin
+from .._core.stats import EVERY_STATS, OriginTotals, StatsSet
 from .._runtime import PROCESS
 
 __all__ = [

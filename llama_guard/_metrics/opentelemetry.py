@@ -13,8 +13,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .._core.extras import missing_extra
-from .._core.origin_stats import OriginTotals
 from .._core.origins import Origin
+from .._core.stats import OriginTotals
 from . import catalog
 from .prometheus import sources_set
 

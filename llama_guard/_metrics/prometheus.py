@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .._core.extras import missing_extra
-from .._core.origin_stats import StatsSet
+from .._core.stats import StatsSet
 from . import catalog
 from .sources import stats_of
 
