@@ -88,7 +88,7 @@ STALL_SERVER: dict[str, Any] = {"threads_http": 4, "threads": 1, "cpus": STALL_C
 #: What the messages call that condition.
 STALL_CONDITION = f"the server pinned to CPU {STALL_CPU} as SCHED_BATCH beside {STALL_HOGS} CPU-bound process"
 #: Fresh servers a burst test tries, at most, before it concludes the stall did not happen.
-STALL_TRIES = 3
+STALL_TRIES = 5
 
 T = TypeVar("T")
 
@@ -245,7 +245,9 @@ def run_burst(
                         return
                     c.conn.send(HEALTH)
             except TimeoutError:
-                c.ended = "timeout"
+                # A read waits until the run's deadline at most: a served connection whose later request is still
+                # unanswered then ended with the run; "timeout" is a first request never answered (stalled).
+                c.ended = "timeout" if c.first_response_at is None else "deadline"
             except (ConnectionError, OSError) as exc:
                 c.ended = type(exc).__name__
 
