@@ -11,8 +11,8 @@ from llama_guard import GuardPolicy, GuardStats
 from llama_guard._core import connection_machine as connection
 from llama_guard._core.connection_strategy import ConnectionBook
 from llama_guard._core.guard import Guard, RequestPlan
-from llama_guard._core.origin_probes import Admission, ProbeBook
 from llama_guard._core.origins import Origin, OriginRegistry
+from llama_guard._core.probes import Admission, ProbeBook
 from llama_guard._core.process_state import ProcessState
 from llama_guard._core.request_machine import RequestMachine
 from llama_guard._runtime import PROCESS

@@ -24,7 +24,7 @@ import pytest
 import llama_guard
 from llama_guard import GuardPolicy, Origin
 from llama_guard._core import connection_machine as connection
-from llama_guard._core.origin_probes import LEARN_AFTER, PROBE_SLICE, Admission, OriginProbes
+from llama_guard._core.probes import LEARN_AFTER, PROBE_SLICE, Admission, OriginProbes
 from llama_guard._core.stats import GuardStats
 from llama_guard._drive import async_drive, sync_drive
 from llama_guard._runtime import PROCESS

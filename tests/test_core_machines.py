@@ -17,7 +17,7 @@ from llama_guard import GuardPolicy
 from llama_guard._core import connection_machine as connection
 from llama_guard._core import request_machine as request
 from llama_guard._core.decisions import FailureKind
-from llama_guard._core.origin_probes import PROBE_SLICE, Admission
+from llama_guard._core.probes import PROBE_SLICE, Admission
 
 from ._machines import Clock, NoTurn, machine_for, plan_for
 

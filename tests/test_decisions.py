@@ -279,7 +279,7 @@ def test_parse_retry_after(value: str | None, expected: float | None) -> None:
 
 def test_probe_deadlines() -> None:
     """A second stall gets the same short deadline; later ones double up to the cap."""
-    from llama_guard._core.probe import probe_deadline
+    from llama_guard._core.probes import probe_deadline
 
     assert [probe_deadline(n, first=0.5, cap=4.0) for n in range(6)] == [0.5, 0.5, 1.0, 2.0, 4.0, 4.0]
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from llama_guard import GuardPolicy
-from llama_guard._core.origin_probes import GivenUpWatches
+from llama_guard._core.probes import GivenUpWatches
 from llama_guard._core.stats import GuardStats
 from llama_guard._runtime import PROCESS
 from llama_guard._runtime.late_answers import Expiry, WatchedConnection

@@ -24,7 +24,7 @@ import anyio
 from .._core import connection_machine as connection
 from .._core.guard import RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE
-from .._core.origin_probes import GivenUpWatches
+from .._core.probes import GivenUpWatches
 from .._core.process_state import ProcessState
 from .._drive.async_drive import advance_connection
 from .._runtime import PROCESS

@@ -32,8 +32,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from .log import logger
-from .origin_probes import PROBE_SLICE, Admission, GivenUpProbe, GivenUpWatches, OriginProbes
-from .probe import ProbeAnswer, ProbeExchange, ProbeProtocolError, probe_deadline
+from .probes import (
+    PROBE_SLICE,
+    Admission,
+    GivenUpProbe,
+    GivenUpWatches,
+    OriginProbes,
+    ProbeAnswer,
+    ProbeExchange,
+    ProbeProtocolError,
+    probe_deadline,
+)
 from .request_machine import MAX_SOCKET_WAIT
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ from typing import Any, Generic, TypeVar, overload
 from .connection_strategy import ConnectionChoice, Strategies, is_loopback_host
 from .decisions import first_attempt_goes_as_is, wants_stream
 from .log import describe_request
-from .origin_probes import GivenUpWatches, OriginProbes
 from .origins import Origin, OriginRegistry
 from .policy import GuardPolicy
+from .probes import GivenUpWatches, OriginProbes
 from .process_state import ProcessState
 from .request_machine import RequestMachine
 from .result import GuardResult

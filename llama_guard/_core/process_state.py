@@ -18,8 +18,8 @@ from typing import Protocol
 
 from .connection_strategy import ConnectionBook
 from .log import WarnOnce
-from .origin_probes import ProbeBook
 from .origins import Origin
+from .probes import ProbeBook
 
 __all__ = ["ProcessState", "Scheduler", "StallReporter"]
 

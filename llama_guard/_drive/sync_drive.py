@@ -24,7 +24,7 @@ import httpcore
 
 from .._core import connection_machine as connection
 from .._core import request_machine as request
-from .._core.origin_probes import Admission
+from .._core.probes import Admission
 from .._core.result import GuardResult
 from .._runtime.late_answers import WatchedConnection
 from .._runtime.turns import ThreadTurn

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .._core.connection_strategy import ConnectionBook
 from .._core.log import WarnOnce
-from .._core.origin_probes import ProbeBook
+from .._core.probes import ProbeBook
 from .._core.process_state import ProcessState
 from .late_answers import Expiry
 from .stall_log import StallLog

@@ -1,8 +1,8 @@
 """Connections whose probe was given up, kept open a while to see whether the answer still comes: the sockets and
-the thread of the late-answer watch (the decisions are `_core.origin_probes`'s).
+the thread of the late-answer watch (the decisions are `_core.probes`'s).
 
 A late answer is a false alarm (the server was reading the connection, only slowly) and must raise the learnt probe
-deadline (`origin_probes`). To see it, the guard keeps the connection: it sends FIN on it (a server that reads it
+deadline (`_core.probes`). To see it, the guard keeps the connection: it sends FIN on it (a server that reads it
 later answers, sees the end and closes its side instead of holding a thread on an idle keep-alive connection) and
 duplicates its descriptor (`WatchedConnection`), which this module owns from then on. The adapter closes its own
 stream at once, as for any failed connection, whatever the HTTP stack; the duplicate keeps the TCP connection open,

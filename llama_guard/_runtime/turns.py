@@ -1,7 +1,7 @@
 """A waiter's turn: how a connection waiting for admission (`OriginProbes`) is woken when its turn may have come.
 
 The queue of an origin is shared by every transport of the process, so the connection that frees the turn may run
-in another thread or event loop than the waiter. Each waiter therefore makes its own turn (`origin_probes.Turn`) in
+in another thread or event loop than the waiter. Each waiter therefore makes its own turn (`probes.Turn`) in
 its own context (a thread's `threading.Event`, an asyncio loop's or a trio run's event) and the releaser calls
 ``wake()``, which
 is thread-safe: it sets the event directly, or through the waiter's loop (``call_soon_threadsafe``, trio's
