@@ -576,6 +576,30 @@ def test_bad_input_says_what_is_accepted(call: Callable[[], Any], error: type[Ex
         call()
 
 
+class _MethodIsConnected(urllib3.connection.HTTPConnection):
+    def is_connected(self) -> bool:  # type: ignore[override]  # a method: ``not conn.is_connected`` is always False
+        return True
+
+
+class _OwnHTTPConnection(urllib3.connection.HTTPConnection):
+    pass
+
+
+def test_a_pool_connection_class_that_is_not_urllib3s_is_refused_by_name() -> None:
+    """A pool's ConnectionCls is wrapped by subclassing it; one whose ``is_connected`` is not urllib3 2's property is
+    refused with its name and what is accepted, and a subclass of urllib3's is wrapped."""
+    from llama_guard._requests.connections import guarded_connection_class, original_connection_class
+
+    with pytest.raises(TypeError, match=r"_MethodIsConnected is not a urllib3 2 connection class: .*HTTPConnection"):
+        guarded_connection_class(_MethodIsConnected)
+    with pytest.raises(TypeError, match=r"builtins.object is not a urllib3 2 connection class"):
+        guarded_connection_class(object)
+    guarded = guarded_connection_class(_OwnHTTPConnection)
+    assert issubclass(guarded, _OwnHTTPConnection)
+    assert original_connection_class(guarded) is _OwnHTTPConnection
+    assert guarded_connection_class(guarded) is guarded
+
+
 def test_without_the_extra_llama_guard_requests_names_it_and_the_rest_works() -> None:
     """requests and urllib3 hidden from a fresh interpreter: install()/uninstall() and guard() on httpx need neither,
     and importing llama_guard.requests says which extra to install."""

@@ -13,6 +13,7 @@ A pooled connection that urllib3 reuses never calls ``connect()``: it pays nothi
 
 from __future__ import annotations
 
+import inspect
 import socket
 import time
 from collections.abc import Callable
@@ -103,12 +104,20 @@ def guarded_connection_class(base: type) -> type:
     cls = _CLASSES.get(base)
     if cls is None:
         name = f"Guarded{base.__name__}"
-        urllib3_class: Any = base
+        # urllib3 2 reads ``conn.is_connected`` as a property (``util/connection.py``) and calls ``getresponse()``.
+        is_connected = inspect.getattr_static(base, "is_connected", None)
+        getresponse = getattr(base, "getresponse", None)
+        if not isinstance(is_connected, property) or is_connected.fget is None or not callable(getresponse):
+            raise TypeError(
+                f"the pool's ConnectionCls {base.__module__}.{base.__qualname__} is not a urllib3 2 connection class: "
+                "the guard accepts urllib3.connection.HTTPConnection, HTTPSConnection and their subclasses "
+                "(an is_connected property and a getresponse() method)"
+            )
         own = {
             "__module__": __name__,
             "__qualname__": name,
-            "_urllib3_getresponse": urllib3_class.getresponse,
-            "_urllib3_is_connected": urllib3_class.is_connected.fget,
+            "_urllib3_getresponse": getresponse,
+            "_urllib3_is_connected": is_connected.fget,
         }
         cls = _CLASSES[base] = type(name, (GuardedConnection, base), own)
     return cls
