@@ -94,7 +94,7 @@ class Probing:
 def probing(request: RequestMachine, clock: Clock | None = None) -> Probing:
     """Open a new connection of ``request``'s attempt and start its probe: the `Write` it asks for first."""
     clock = clock if clock is not None else Clock()
-    machine = connection.ConnectionMachine(request, clock=clock)
+    machine = connection.ConnectionMachine(request.plan, clock=clock)
     opened = machine.next(connection.Opening())
     if isinstance(opened, connection.Admit):  # after a give-up the origin admits new connections one at a time
         admission = Admission(opened.probes, opened.stats, NoTurn())

@@ -318,14 +318,14 @@ def test_while_measuring_only_the_connections_that_take_a_sample_are_probed() ->
     process = fresh_origins()
     first = probing(machine_for(GuardPolicy(), process=process))
     second = probing(machine_for(GuardPolicy(), process=process))
-    third = connection.ConnectionMachine(machine_for(GuardPolicy(), process=process))
+    third = connection.ConnectionMachine(machine_for(GuardPolicy(), process=process).plan)
     assert third.next(connection.Opening()) is connection.OPEN
     assert third.next(connection.Opened()) is connection.READY
     assert process.connections.of(REMOTE_URL_ORIGIN)._connects == deque()
     assert isinstance(first.machine.next(connection.WRITTEN), connection.Read)
     assert isinstance(first.machine.next(connection.CANCELLED), connection.Abort)  # unanswered: no sample
     fourth = probing(machine_for(GuardPolicy(), process=process))  # takes the freed place
-    fifth = connection.ConnectionMachine(machine_for(GuardPolicy(), process=process))
+    fifth = connection.ConnectionMachine(machine_for(GuardPolicy(), process=process).plan)
     assert fifth.next(connection.Opening()) is connection.OPEN
     assert fifth.next(connection.Opened()) is connection.READY
     for probe in (second, fourth):

@@ -355,7 +355,7 @@ class Connection:
     def __init__(self, policy: GuardPolicy) -> None:
         self.clock = Clock()
         self.request = machine_for(policy)
-        self.machine = connection.ConnectionMachine(self.request, clock=self.clock)
+        self.machine = connection.ConnectionMachine(self.request.plan, clock=self.clock)
 
 
 def connection_in(state: CS, policy: GuardPolicy = REUSE) -> Connection:

@@ -1,5 +1,5 @@
 """Every driver makes a connection machine only where the core says one is needed
-(`RequestPlan.needs_connection_machine`).
+(`RequestPlan.needs_connection_machine`), and a request machine only when its first attempt needs one.
 
 Under the close strategy (the default on loopback) a new connection has nothing to probe and nothing to measure: each
 driver only notes it (`RequestPlan.opening`, `opened`), so that a failure can still be judged by how far the attempt
@@ -18,8 +18,8 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy
-from llama_guard._core import connection_machine
-from llama_guard.testing import LlamaServerEmulator
+from llama_guard._core import connection_machine, guard
+from llama_guard.testing import Fault, LlamaServerEmulator
 
 CHAT: dict[str, Any] = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 REQUESTS = 4
@@ -106,3 +106,40 @@ def test_a_new_connection_gets_a_machine_only_when_it_is_probed(
         assert accepted == 1  # one kept-alive connection ...
         assert len(machines_made) == 1  # ... probed by its machine
         assert all(machine.done for machine in machines_made)
+
+
+@pytest.fixture
+def request_machines_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every `RequestMachine` a plan makes from now on (only `RequestPlan.start` and `machine` make them)."""
+    made: list[Any] = []
+
+    class Counted(guard.RequestMachine):
+        __slots__ = ()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(guard, "RequestMachine", Counted)
+    return made
+
+
+@pytest.mark.parametrize("driver", list(DRIVERS))
+def test_a_probed_new_connection_makes_no_request_machine_until_an_attempt_needs_one(
+    driver: str, machines_made: list[Any], request_machines_made: list[Any]
+) -> None:
+    """Under keep-alive a request's first attempt on a new connection is probed by the connection's machine, which
+    reports to the request's plan: answered, the request never gets a machine of its own. A 503 to a first attempt
+    makes one, which retries it: the control that the count sees machines."""
+    policy = GuardPolicy(connection="reuse")
+    with LlamaServerEmulator(pool_bug=False) as server:
+        answered = DRIVERS[driver](server.url, policy)
+        assert [(result.attempts, result.connection) for result in answered] == [(1, "reuse")] * REQUESTS
+        assert len(machines_made) == 1  # the one new connection, probed by its machine ...
+        assert request_machines_made == []  # ... and no request needed one
+        server.inject(Fault.STATUS_503, path="/v1/chat/completions", count=1)
+        retried = DRIVERS[driver](server.url, policy)
+    assert [(result.attempts, result.connection) for result in retried] == [(2, "reuse")] + [(1, "reuse")] * (
+        REQUESTS - 1
+    )
+    assert len(request_machines_made) == 1  # the 503's request, retried by its machine

@@ -76,7 +76,7 @@ class ProbingHooks(ConnectionHooks):
         if not plan.needs_connection_machine:  # the close strategy: nothing to probe or measure, only noted
             plan.opening()
             return plan
-        machine = connection.ConnectionMachine(plan.machine(), watches=self.given_up)
+        machine = connection.ConnectionMachine(plan, watches=self.given_up)
         io = _TransportIO(request, timeout)
         proxy = request.proxy
         opening = connection.Opening(
@@ -102,7 +102,7 @@ class ProbingHooks(ConnectionHooks):
         io.transport = transport
         await advance_connection(machine, connection.Opened(socket=transport.get_extra_info("socket")), io)
         io.give_back()
-        scope, deadline = ATTEMPT_DEADLINE.get(), machine.request.plan.policy.first_byte_timeout
+        scope, deadline = ATTEMPT_DEADLINE.get(), machine.plan.policy.first_byte_timeout
         if scope is not None and deadline is not None:
             # The first-byte deadline starts now, as httpx's read timeout starts once the request is written.
             scope.deadline = anyio.current_time() + deadline

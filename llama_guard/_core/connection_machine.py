@@ -47,7 +47,7 @@ from .request_machine import MAX_SOCKET_WAIT
 
 if TYPE_CHECKING:
     from .connection_strategy import OriginConnections
-    from .request_machine import RequestMachine
+    from .guard import RequestPlan
 
 __all__ = [
     "KICK_CONNECT_TIMEOUT",
@@ -280,7 +280,10 @@ class UnexpectedEvent(RuntimeError):
 
 
 class ConnectionMachine:
-    """One new connection of ``request``'s current attempt."""
+    """One new connection of the current attempt of ``plan``'s request.
+
+    It reports to the plan (`RequestPlan.opening`, `opened`, and what its probe found: ``failed_probes`` and the
+    rest), not to the request's machine: an attempt sent as it is has none, and its new connection needs none."""
 
     __slots__ = (
         "_admission",
@@ -302,20 +305,20 @@ class ConnectionMachine:
         "_tls_later",
         "_watches",
         "opening_started",
-        "request",
+        "plan",
         "state",
     )
 
     def __init__(
         self,
-        request: RequestMachine,
+        plan: RequestPlan,
         *,
         watches: GivenUpWatches | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``watches``: where a given-up connection's watch is kept, to be ended when its owner closes (default: the
         request's guard's)."""
-        self.request = request
+        self.plan = plan
         self._watches = watches
         self._clock = clock
         self.state = ConnectionState.NEW
@@ -362,13 +365,12 @@ class ConnectionMachine:
     # -- admission and open -----------------------------------------------------------------------------------------
 
     def _on_opening(self, event: Opening) -> ConnectionAction:
-        request = self.request
-        plan = request.plan
-        request.connecting()
+        plan = self.plan
+        plan.opening()
         self.opening_started = self._clock()
         self._tls_later = event.tls_later
         self._kick_host, self._kick_path = event.kick_host, event.kick_path
-        probing = request.probing
+        probing = plan.probing
         if probing and not event.direct:
             self._probing_off(
                 f"they go through a proxy at {event.proxy} (HTTP, CONNECT or SOCKS), whose connections are not "
@@ -416,7 +418,6 @@ class ConnectionMachine:
         if self._tls_later and isinstance(event, Opened):
             self.state = ConnectionState.AWAITING_TLS
             return AWAIT_TLS
-        request = self.request
         connect_seconds = self._clock() - self.opening_started if self._measures else None
         if self._probing and event.h2:
             # Not llama-server (HTTP/1.1 only); an HTTP/1.1 probe would break the HTTP/2 connection.
@@ -424,7 +425,7 @@ class ConnectionMachine:
             self._probing = False
         if not self._probing:
             if connect_seconds is not None:  # not probed: its connect alone
-                request.plan.teach(connect_cost=connect_seconds)
+                self.plan.teach(connect_cost=connect_seconds)
             return self._ready()
         self._socket = event.socket
         self._connect_seconds = connect_seconds
@@ -433,8 +434,7 @@ class ConnectionMachine:
     # -- the probe ----------------------------------------------------------------------------------------------------
 
     def _start_probe(self) -> ConnectionAction:
-        request = self.request
-        plan = request.plan
+        plan = self.plan
         self._number = self._probes.probe_started()
         self._kicks = 0
         self._exchange = ProbeExchange(plan.host_header)
@@ -448,28 +448,27 @@ class ConnectionMachine:
         """This probe's deadline: the origin's learnt one for a request's first probe, the configured ladder
         (`probe_deadline`) after one was given up, or with kicks on (the learnt deadline is then when the first kick
         goes: `_next_kick`); never longer than the caller's own read timeout."""
-        request = self.request
-        plan = request.plan
+        plan = self.plan
         policy = plan.policy
-        if request.failed_probes or policy.probe_kick:
+        if plan.failed_probes or policy.probe_kick:
             # The learnt deadline is for a first probe only: a request whose probe was given up waits the configured
             # ladder from then on, so a server that turned slow since the guard learnt (load arriving) costs that
             # request a reconnect, never its attempts (the late answer raises the learnt deadline for the next ones).
-            deadline = probe_deadline(request.failed_probes, first=policy.probe_timeout, cap=policy.probe_timeout_max)
+            deadline = probe_deadline(plan.failed_probes, first=policy.probe_timeout, cap=policy.probe_timeout_max)
         else:
             deadline = self._probes.deadline(policy)
         caller_read = self._caller_read
         if caller_read is not None and caller_read < deadline:
             deadline = caller_read
         deadline = min(deadline, MAX_SOCKET_WAIT)
-        request.probe_deadline_used = deadline
+        plan.probe_deadline_used = deadline
         return deadline
 
     def _next_kick(self) -> float | None:
         """Seconds into the probe at which it opens its next kick (`GuardPolicy.probe_kick`): the origin's learnt
         deadline, then 2, 4, 8... times it; with nothing learnt below the probe's own deadline (too few answers
         yet, learning off), a quarter of that deadline, then half. None when no kick comes before the give-up."""
-        plan = self.request.plan
+        plan = self.plan
         if not plan.policy.probe_kick:
             return None
         first = self._probes.deadline(plan.policy)
@@ -492,7 +491,7 @@ class ConnectionMachine:
 
     def _on_kicked(self, event: Kicked) -> ConnectionAction:
         self._kicks += 1
-        plan = self.request.plan
+        plan = self.plan
         self._probes.kicked()
         if event.failure is None:
             plan.stats.add(probe_kicks=1)
@@ -519,9 +518,7 @@ class ConnectionMachine:
     def _on_broken(self, event: Broken) -> ConnectionAction:
         self._probe_failed()
         self._end()
-        return Abort(
-            "probe error", f"the probe of a new connection to {self.request.plan.origin} failed: {event.error}"
-        )
+        return Abort("probe error", f"the probe of a new connection to {self.plan.origin} failed: {event.error}")
 
     def _on_cancelled(self, event: ConnectionSignal) -> ConnectionAction:
         if self._exchange is not None:  # the probe was sent: neither answered nor failed
@@ -530,10 +527,9 @@ class ConnectionMachine:
         return Abort("raised", "")
 
     def _on_watched(self, event: Watched) -> ConnectionAction:
-        request = self.request
-        plan = request.plan
+        plan = self.plan
         seconds = self._elapsed()
-        request.failed_probes += 1
+        plan.failed_probes += 1
         plan.stats.record_probe(seconds, answered=False, given_up=True)
         if event.unseen is not None:
             why = (
@@ -566,7 +562,7 @@ class ConnectionMachine:
     def _wait(self) -> ConnectionAction:
         """Wait for the answer: a read slice, or a kick when one is due; give up at the deadline in force, which
         may change while the probe waits (other probes of the origin are answered)."""
-        plan = self.request.plan
+        plan = self.plan
         self._deadline = self._probe_deadline()
         elapsed = self._elapsed()
         remaining = self._deadline - elapsed
@@ -586,8 +582,7 @@ class ConnectionMachine:
         return GiveUp(self._socket)
 
     def _answered(self, answer: ProbeAnswer) -> ConnectionAction:
-        request = self.request
-        plan = request.plan
+        plan = self.plan
         seconds = self._elapsed()
         if answer.keep_alive:
             rescued = self._kicks > 0
@@ -611,22 +606,21 @@ class ConnectionMachine:
         )
 
     def _probe_failed(self) -> None:
-        request = self.request
-        request.failed_probes += 1
-        request.plan.stats.record_probe(self._elapsed(), answered=False)
+        plan = self.plan
+        plan.failed_probes += 1
+        plan.stats.record_probe(self._elapsed(), answered=False)
         self._probes.probe_failed(self._number)
 
     def _probe_closed(self, status: int) -> None:
         """The server answered the probe with ``status`` and closed the connection: that connection is lost."""
-        request = self.request
-        plan = request.plan
+        plan = self.plan
         # llama-server answers 503 with Connection: close while it loads a model: the server is reading new
         # connections, so this request's next attempts go unprobed: the request itself then gets the server's answer
         # (a 503 "Loading model", retried on its own terms, and handed to the caller if it lasts) instead of failing
         # probe after probe.
-        request.server_reads_connections = True
+        plan.server_reads_connections = True
         if not 200 <= status < 300:
-            request.probe_loading = status == 503
+            plan.probe_loading = status == 503
             return
         # A healthy server that closes every probed connection: probing can never leave a usable one there.
         plan.guard.unprobeable.add(plan.origin)
@@ -639,7 +633,7 @@ class ConnectionMachine:
     def _probing_off(self, why: str) -> None:
         """This connection cannot be probed although the request probes (``why``: the kind of connection): said once
         per origin and reason, and in ``stats.probing_off``."""
-        plan = self.request.plan
+        plan = self.plan
         text = f"new connections to {plan.origin} are not probed: {why}"
         plan.stats.probing_off = text
         plan.process.warnings.warning(
@@ -649,7 +643,7 @@ class ConnectionMachine:
 
     def _ready(self) -> ConnectionStep:
         self._end()
-        self.request.connected()
+        self.plan.opened()
         return READY
 
     def _end(self) -> None:

@@ -14,6 +14,7 @@ caller built it, `RequestPlan.as_is`). Most requests end there: answered at once
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
@@ -247,6 +248,14 @@ class RequestPlan:
     _machine: RequestMachine | None = field(default=None, init=False)
     # How far its first attempt's new connection got while the plan had no machine (`opening`, `opened`).
     _opened: int = field(default=0, init=False)
+    # What its connections' probes found, across its attempts (written by each `ConnectionMachine`, read by the
+    # request's machine): probes given up or failed; whether the server was seen reading new connections (a probe
+    # got an HTTP answer: later attempts need no probe); whether the last probe found it loading (a 503); the
+    # deadline the last probe waited (a stalled connection's reconnect window; None: no probe yet).
+    failed_probes: int = field(default=0, init=False)
+    server_reads_connections: bool = field(default=False, init=False)
+    probe_loading: bool = field(default=False, init=False)
+    probe_deadline_used: float | None = field(default=None, init=False)
 
     # -- the request's facts, worked out when asked -------------------------------------------------------------------
 
@@ -282,6 +291,18 @@ class RequestPlan:
         host: str = self.request.headers.get("host") or self.request.url.netloc.decode("ascii")
         return host
 
+    @property
+    def probing(self) -> bool:
+        """New connections of this request's attempts are to be probed: under the keep-alive strategy, and while
+        ``"auto"`` measures what a new connection costs (its probe's round trip is part of it; the connection
+        machine probes only those that take a sample, `OriginConnections.start_sample`)."""
+        connection = self.connection
+        return (
+            self.policy.probe
+            and not self.server_reads_connections
+            and (connection.strategy == "reuse" or not connection.final)
+        )
+
     def caller_read_timeout(self) -> float | None:
         """The caller's own read timeout (httpx's ``timeout`` extension, as every stack's request view has it)."""
         timeouts: dict[str, float | None] = self.request.extensions.get("timeout", {})
@@ -299,8 +320,8 @@ class RequestPlan:
         return machine
 
     def machine(self) -> RequestMachine:
-        """The request's machine; made now, during its first attempt sent as it is, if it had none (a new connection
-        to probe, a failure, a 503/429), and carrying on from that attempt."""
+        """The request's machine; made now, during its first attempt sent as it is, if it had none (a failure, a
+        503/429), and carrying on from that attempt."""
         machine = self._machine
         if machine is None:
             machine = self._machine = RequestMachine(self, sent=True)
@@ -335,12 +356,26 @@ class RequestPlan:
         )
 
     def opening(self) -> None:
-        """A new connection is being opened for the first attempt (see `needs_connection_machine`)."""
-        self._opened = 1
+        """A new connection is being opened for the current attempt: told to the request's machine, or noted until
+        one is made (`machine`)."""
+        machine = self._machine
+        if machine is None:
+            self._opened = 1
+        else:
+            machine.connecting()
 
     def opened(self) -> None:
-        """That connection is up: a failure from now on may have sent the request."""
-        self._opened = 2
+        """That connection is up (and probed, when probing): a failure from now on may have sent the request."""
+        machine = self._machine
+        if machine is None:
+            self._opened = 2
+        else:
+            machine.connected()
+
+    def for_spare(self) -> RequestPlan:
+        """A plan for a spare connection opened beside this request (`GuardPolicy.prewarm`): the same facts, with
+        no machine and nothing its probes found, so that the spare's connection reports nothing to this request."""
+        return dataclasses.replace(self)
 
     @property
     def has_machine(self) -> bool:

@@ -9,13 +9,14 @@ loop, each stack gives it an `AttemptIO`) and reports the outcome as the next ev
                        ╰──Failed──> WAITING ──SLEPT──> SENDING      (or DONE: Fail, RERAISE)
 
 A request's new connections during an attempt have machines of their own (``connection_machine.py``), which report
-here how far the attempt got (`connecting`, `connected`: kept by its `ProgressTracker`) and what the probes found. A
-pair of state and event that cannot happen raises `UnexpectedEvent`: a driver that reports out of turn is a bug,
-never guessed at.
+to the request's plan (``guard.py``): how far the attempt got, passed on here (`connecting`, `connected`: kept by
+the attempt's `ProgressTracker`), and what the probes found (`RequestPlan.failed_probes` and the rest). A pair of
+state and event that cannot happen raises `UnexpectedEvent`: a driver that reports out of turn is a bug, never
+guessed at.
 
-Most requests never get a machine: their first attempt goes out as the caller built it and is answered on a pooled
-connection (`RequestPlan.as_is`, ``guard.py``). A machine is made when something needs one (a new connection to
-probe, a failure, a 503/429), and then carries on from that first attempt.
+Most requests never get a machine: their first attempt goes out as the caller built it and is answered, on a pooled
+connection or on a new one, probed or not (`RequestPlan.as_is`, ``guard.py``). A machine is made when something
+needs one (a failure, a 503/429), and then carries on from that first attempt.
 """
 
 from __future__ import annotations
@@ -299,14 +300,10 @@ class RequestMachine:
         "attempts",
         "closed_by_header",
         "deadline_applied",
-        "failed_probes",
         "first_byte",
         "history",
         "plan",
-        "probe_deadline_used",
-        "probe_loading",
         "reconnects",
-        "server_reads_connections",
         "state",
         "streaming",
         "tracker",
@@ -330,13 +327,6 @@ class RequestMachine:
         self.first_byte: float | None = None
         self.closed_by_header = False
         self.streaming = False  # the last response is a llama-server stream
-        # Across attempts: probes given up or failed, whether the server was seen reading new connections (a probe
-        # got an HTTP answer: later attempts need no probe), whether the last probe found it loading (a 503), and the
-        # deadline the last probe waited (a stalled connection's reconnect window).
-        self.failed_probes = 0
-        self.server_reads_connections = False
-        self.probe_loading = False
-        self.probe_deadline_used = plan.policy.probe_timeout
         self._pacing: RetryPacing | None = None
 
     # -- what the machine is about ---------------------------------------------------------------------------------
@@ -350,19 +340,6 @@ class RequestMachine:
             request = self.plan.request
             self._kind = classify_request(request.method, request.url.path, self.plan.body)
             return self._kind
-
-    @property
-    def probing(self) -> bool:
-        """New connections of this request's attempts are to be probed: under the keep-alive strategy, and while
-        ``"auto"`` measures what a new connection costs (its probe's round trip is part of it; the connection
-        machine probes only those that take a sample, `OriginConnections.start_sample`)."""
-        plan = self.plan
-        connection = plan.connection
-        return (
-            plan.policy.probe
-            and not self.server_reads_connections
-            and (connection.strategy == "reuse" or not connection.final)
-        )
 
     @property
     def waiting_for_headers(self) -> bool:
@@ -462,8 +439,8 @@ class RequestMachine:
         plan = self.plan
         plan.stats.add_error(error_name)
         progress = tracker.effective_progress()
-        if kind is FailureKind.PROBE and self.probe_loading:
-            self.probe_loading = False
+        if kind is FailureKind.PROBE and plan.probe_loading:
+            plan.probe_loading = False
             self.verdict = PROBE_LOADING
         else:
             self.verdict = verdict_for_failure(
@@ -519,13 +496,17 @@ class RequestMachine:
         """The wait before the next attempt, counted and logged; None when the guard stops."""
         verdict = self.verdict
         pacing = self.pacing
+        plan = self.plan
+        probe_deadline = plan.probe_deadline_used
         delay = pacing.next_delay(
-            verdict, attempts=self.attempts, probe_deadline=self.probe_deadline_used, now=time.monotonic()
+            verdict,
+            attempts=self.attempts,
+            probe_deadline=plan.policy.probe_timeout if probe_deadline is None else probe_deadline,
+            now=time.monotonic(),
         )
         if delay is None:
             return None
         assert verdict is not None
-        plan = self.plan
         plan.stats.record_retry(retry_reason(verdict), stall=verdict.stall)
         if pacing.loading_since is not None:
             of = f"waiting for the server to load, {time.monotonic() - pacing.loading_since:.1f} s of max_loading_wait"

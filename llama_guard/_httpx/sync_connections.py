@@ -38,7 +38,6 @@ from .._core.attempt_context import CURRENT_PLAN
 from .._core.guard import RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.log import logger
-from .._core.request_machine import RequestMachine
 from .._drive.sync_drive import advance_connection
 from .._runtime.spawn import spawn_thread
 from .._runtime.turns import ThreadTurn
@@ -159,7 +158,7 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
     ) -> httpcore.NetworkStream:
         """A guarded attempt's new connection: its machine admits it, ``connect`` opens it, the machine probes it
         (after the TLS handshake for https, which httpcore does when this returns)."""
-        machine = connection.ConnectionMachine(plan.machine())
+        machine = connection.ConnectionMachine(plan)
         io = SyncStreamIO(plan.request, timeout)
         advance_connection(machine, opening, io)  # Open, once its turn came
         try:
@@ -366,7 +365,7 @@ class SyncSpares:
     def _open(self, plan: RequestPlan, key: Key, https: bool) -> None:
         timeouts: dict[str, float | None] = plan.request.extensions.get("timeout", {})
         timeout = timeouts.get("connect") or SPARE_TIMEOUT
-        machine = connection.ConnectionMachine(RequestMachine(plan))  # its own: the stream's request is answered
+        machine = connection.ConnectionMachine(plan.for_spare())  # its own: the stream's request is answered
         io = SyncStreamIO(plan.request, timeout)
         spare = None
         try:

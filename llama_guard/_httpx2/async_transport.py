@@ -443,10 +443,10 @@ class _AsyncTracer:
     async def __call__(self, event: str, info: dict[str, Any]) -> None:
         self._tracker.observe(event)
         machine = self._machine
-        if event == "connection.connect_tcp.started" and machine.probing:
+        if event == "connection.connect_tcp.started" and machine.plan.probing:
             url = machine.plan.request.url
             host, port = info.get("host"), info.get("port")
-            self._connection = connection.ConnectionMachine(machine)
+            self._connection = connection.ConnectionMachine(machine.plan)
             opening = connection.Opening(
                 direct=(host, port) == (url.host, machine.plan.origin.port),
                 proxy=f"{host}:{port}",

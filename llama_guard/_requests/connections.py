@@ -58,7 +58,7 @@ class GuardedConnection:
             return
         new: Any = self
         url = plan.request.url
-        machine = connection.ConnectionMachine(plan.machine())  # made now if the request had none yet
+        machine = connection.ConnectionMachine(plan)
         # Through a proxy (forwarding or CONNECT) the connection is the proxy's, not the origin's.
         direct = new.proxy is None and new.host == url.host and new.port == plan.origin.port
         io = _SocketIO(new)
