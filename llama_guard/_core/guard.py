@@ -246,8 +246,9 @@ class RequestPlan:
     drops_streams: bool
     as_is: bool
     _machine: RequestMachine | None = field(default=None, init=False)
-    # How far its first attempt's new connection got while the plan had no machine (`opening`, `opened`).
-    _opened: int = field(default=0, init=False)
+    # How far the current attempt's new connection got (`opening`, `opened`): 0 none (a pooled connection, or none
+    # yet), 1 being opened, 2 up. Read by the request's machine when the attempt fails (`RequestMachine._tracker`).
+    new_connection: int = field(default=0, init=False)
     # What its connections' probes found, across its attempts (written by each `ConnectionMachine`, read by the
     # request's machine): probes given up or failed; whether the server was seen reading new connections (a probe
     # got an HTTP answer: later attempts need no probe); whether the last probe found it loading (a 503); the
@@ -325,10 +326,6 @@ class RequestPlan:
         machine = self._machine
         if machine is None:
             machine = self._machine = RequestMachine(self, sent=True)
-            if self._opened:  # a new connection was opened for the attempt before the machine existed
-                machine.connecting()
-                if self._opened > 1:
-                    machine.connected()
         return machine
 
     @property
@@ -336,7 +333,8 @@ class RequestPlan:
         """Whether a new connection of this request's attempt needs its own machine: to be probed (the keep-alive
         strategy), to teach what it cost (``"auto"`` measuring), or because the request has a machine already.
         Otherwise (the close strategy, the usual case on loopback) the connection is only noted (`opening`,
-        `opened`): a machine is made from what was noted only if the attempt then fails."""
+        `opened`), as a connection machine notes it too: a request machine reads the note only if the attempt then
+        fails."""
         return (
             self._machine is not None
             or not self.connection.final
@@ -356,21 +354,12 @@ class RequestPlan:
         )
 
     def opening(self) -> None:
-        """A new connection is being opened for the current attempt: told to the request's machine, or noted until
-        one is made (`machine`)."""
-        machine = self._machine
-        if machine is None:
-            self._opened = 1
-        else:
-            machine.connecting()
+        """A new connection is being opened for the current attempt (by its machine, or only noted)."""
+        self.new_connection = 1
 
     def opened(self) -> None:
         """That connection is up (and probed, when probing): a failure from now on may have sent the request."""
-        machine = self._machine
-        if machine is None:
-            self._opened = 2
-        else:
-            machine.connected()
+        self.new_connection = 2
 
     def for_spare(self) -> RequestPlan:
         """A plan for a spare connection opened beside this request (`GuardPolicy.prewarm`): the same facts, with

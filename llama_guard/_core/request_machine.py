@@ -9,10 +9,10 @@ loop, each stack gives it an `AttemptIO`) and reports the outcome as the next ev
                        ╰──Failed──> WAITING ──SLEPT──> SENDING      (or DONE: Fail, RERAISE)
 
 A request's new connections during an attempt have machines of their own (``connection_machine.py``), which report
-to the request's plan (``guard.py``): how far the attempt got, passed on here (`connecting`, `connected`: kept by
-the attempt's `ProgressTracker`), and what the probes found (`RequestPlan.failed_probes` and the rest). A pair of
-state and event that cannot happen raises `UnexpectedEvent`: a driver that reports out of turn is a bug, never
-guessed at.
+to the request's plan (``guard.py``): how far the attempt's new connection got (`RequestPlan.new_connection`, read
+into the attempt's `ProgressTracker` when it fails) and what the probes found (`RequestPlan.failed_probes` and the
+rest). A pair of state and event that cannot happen raises `UnexpectedEvent`: a driver that reports out of turn is a
+bug, never guessed at.
 
 Most requests never get a machine: their first attempt goes out as the caller built it and is answered, on a pooled
 connection or on a new one, probed or not (`RequestPlan.as_is`, ``guard.py``). A machine is made when something
@@ -98,12 +98,12 @@ class ProgressTracker:
 
     Fed one of two ways:
 
-    - ``hooked=True``: by the guard's hooks on the pool's network backend (``_httpx/async_connections.py``), which
-      see each new connection (`connecting`, then `connected` once it is up and probed) and nothing else: they
-      cost nothing on a pooled connection. A failure on a connection that was up is then taken as "request written":
-      httpcore writes as soon as it holds a connection, and nothing but the write and the read can fail after
-      that. This tells "nothing sent" only where it matters (connect and probe failures) and errs on the side of
-      "may have reached the server" everywhere else.
+    - ``hooked=True``: from what the guard's hooks on the pool's connections noted on the plan
+      (`RequestPlan.new_connection`: being opened, then up and probed), made when the attempt fails: the hooks see
+      each new connection and nothing else, so they cost nothing on a pooled connection. A failure on a connection
+      that was up is then taken as "request written": httpcore writes as soon as it holds a connection, and nothing
+      but the write and the read can fail after that. This tells "nothing sent" only where it matters (connect and
+      probe failures) and errs on the side of "may have reached the server" everywhere else.
     - otherwise: from httpcore's trace event names (`observe`), for a wrapped transport whose pool the guard
       cannot reach.
     """
@@ -348,9 +348,16 @@ class RequestMachine:
         return self._tracker().effective_progress() == Progress.WRITTEN
 
     def _tracker(self) -> ProgressTracker:
+        """How far the current attempt got, once it failed: followed through the trace's events, or else made from
+        what the plan noted of its new connection (none: it ran on a pooled one)."""
         tracker = self.tracker
-        if tracker is None:  # the hooks saw no new connection: the attempt ran on a pooled one
+        if tracker is None:
             tracker = self.tracker = ProgressTracker(hooked=True)
+            new_connection = self.plan.new_connection
+            if new_connection:
+                tracker.connecting()
+                if new_connection > 1:
+                    tracker.connected()
         return tracker
 
     def follow_trace(self) -> ProgressTracker:
@@ -374,6 +381,7 @@ class RequestMachine:
         self.verdict = None
         self.tracker = None
         plan = self.plan
+        plan.new_connection = 0
         deadline = plan.policy.first_byte_timeout
         if deadline is not None:
             # The first-byte deadline: the driver waits that long for the headers (httpcore's read timeout, looked up
@@ -562,18 +570,6 @@ class RequestMachine:
         self.plan.stats.record_request(self.attempts, self.first_byte, self.closed_by_header)
 
     # -- what the request's connections report -----------------------------------------------------------------------
-
-    def connecting(self) -> None:
-        """The current attempt is opening a new connection."""
-        tracker = self.tracker
-        if tracker is None:
-            tracker = self.tracker = ProgressTracker(hooked=True)
-        tracker.connecting()
-
-    def connected(self) -> None:
-        """The new connection is up (and probed, when probing): nothing of the request is written to it yet."""
-        assert self.tracker is not None, "connected() without connecting()"
-        self.tracker.connected()
 
     def headers_received(self) -> None:
         """The current attempt's response headers had arrived when it failed (aiohttp reports a bad body that came

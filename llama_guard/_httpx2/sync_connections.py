@@ -125,9 +125,7 @@ class SyncGuardedBackend(httpcore.NetworkBackend):
         https = url.scheme == "https"
         spare = self.spares.take((host, port), timeout) if direct else None
         if spare is not None:  # opened and probed ahead: the request's connection is up
-            machine = plan.machine()
-            machine.connecting()
-            machine.connected()
+            plan.opened()
             plan.stats.add(spares_used=1)
             return _SyncTlsDone(spare) if https else spare
         opening = connection.Opening(direct=direct, proxy=f"{host}:{port}", http1=self._http1, tls_later=https)
