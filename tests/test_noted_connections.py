@@ -74,20 +74,26 @@ DRIVERS: dict[str, Callable[[str, GuardPolicy], list[Any]]] = {
 }
 
 
-@pytest.fixture
-def machines_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every `ConnectionMachine` a driver makes from now on (each driver makes them through the module)."""
+def instances_made(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
+    """Every instance of ``module.name`` (a class the guard makes through its module) made from now on."""
     made: list[Any] = []
+    base: Any = getattr(module, name)
 
-    class Counted(connection_machine.ConnectionMachine):
+    class Counted(base):  # type: ignore[misc]
         __slots__ = ()
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(connection_machine, "ConnectionMachine", Counted)
+    monkeypatch.setattr(module, name, Counted)
     return made
+
+
+@pytest.fixture
+def machines_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every `ConnectionMachine` a driver makes from now on (each driver makes them through the module)."""
+    return instances_made(monkeypatch, connection_machine, "ConnectionMachine")
 
 
 @pytest.mark.parametrize("driver", list(DRIVERS))
@@ -111,17 +117,7 @@ def test_a_new_connection_gets_a_machine_only_when_it_is_probed(
 @pytest.fixture
 def request_machines_made(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Every `RequestMachine` a plan makes from now on (only `RequestPlan.start` and `machine` make them)."""
-    made: list[Any] = []
-
-    class Counted(guard.RequestMachine):
-        __slots__ = ()
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(guard, "RequestMachine", Counted)
-    return made
+    return instances_made(monkeypatch, guard, "RequestMachine")
 
 
 @pytest.mark.parametrize("driver", list(DRIVERS))
