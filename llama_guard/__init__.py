@@ -7,6 +7,7 @@
 See docs/ for how it works and every setting.
 """
 
+from . import _public
 from ._core.errors import GuardError
 from ._core.origins import Origin
 from ._core.policy import GuardPolicy
@@ -46,13 +47,4 @@ __all__ = [
 ]
 
 
-def _present_as_public(namespace: dict[str, object]) -> None:
-    """Public classes present themselves as llama_guard.X (in reprs, tracebacks and docs), as httpx's do."""
-    for name in __all__:
-        value = namespace[name]
-        if isinstance(value, type):
-            value.__module__ = "llama_guard"
-
-
-_present_as_public(globals())
-del _present_as_public  # leaves no module attribute behind
+_public.present_as_public(globals())

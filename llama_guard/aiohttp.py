@@ -20,6 +20,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
     missing_extra(exc, feature="llama_guard.aiohttp", extra="aiohttp", modules=("aiohttp",))
 
+from . import _public
 from ._aiohttp.connector import GuardConnector
 from ._aiohttp.exceptions import FirstByteTimeout, ProbeError, ProbeTimeout
 from ._aiohttp.internals import TESTED_VERSIONS
@@ -51,7 +52,4 @@ __all__ = [
     "unguard_session",
 ]
 
-# Public classes present themselves as llama_guard.aiohttp.X (the shared ones stay llama_guard.X).
-for _name in ("FirstByteTimeout", "GuardConnector", "GuardMiddleware", "ProbeError", "ProbeTimeout"):
-    globals()[_name].__module__ = "llama_guard.aiohttp"
-del _name
+_public.present_as_public(globals())

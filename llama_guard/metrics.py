@@ -11,6 +11,7 @@ some clients or transports. Nothing is recorded per request beyond what the guar
 every metric (``docs/metrics.md`` explains them).
 """
 
+from . import _public
 from ._metrics.catalog import FIRST_BYTE_BUCKETS, METRICS, Metric
 from ._metrics.opentelemetry import OpenTelemetryMetrics, instrument_opentelemetry
 from ._metrics.prometheus import PrometheusCollector, register_prometheus
@@ -25,7 +26,4 @@ __all__ = [
     "register_prometheus",
 ]
 
-# Public classes present themselves as llama_guard.metrics.X (in reprs, tracebacks and docs).
-for _cls in (Metric, OpenTelemetryMetrics, PrometheusCollector):
-    _cls.__module__ = __name__
-del _cls
+_public.present_as_public(globals())

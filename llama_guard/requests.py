@@ -31,6 +31,7 @@ from ._install.requests_pools import unsupported_urllib3
 if unsupported_urllib3(_urllib3) is not None:  # pragma: no cover - depends on the environment
     raise ImportError(f"llama_guard.requests: {unsupported_urllib3(_urllib3)}")
 
+from . import _public
 from ._core.errors import GuardError
 from ._core.policy import GuardPolicy
 from ._core.result import GuardResult
@@ -62,15 +63,4 @@ __all__ = [
     "result_of",
 ]
 
-# Public classes present themselves as llama_guard.requests.X (the shared ones stay llama_guard.X).
-for _name in (
-    "FirstByteTimeout",
-    "GuardAdapter",
-    "ProbeError",
-    "ProbeTimeout",
-    "Urllib3FirstByteTimeout",
-    "Urllib3ProbeError",
-    "Urllib3ProbeTimeout",
-):
-    globals()[_name].__module__ = "llama_guard.requests"
-del _name
+_public.present_as_public(globals())

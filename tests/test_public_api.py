@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+
 import httpx
+import pytest
 
 import llama_guard
 
@@ -61,3 +64,14 @@ def test_transports_are_httpx_transports() -> None:
         assert isinstance(asynchronous, httpx.AsyncBaseTransport)
     finally:
         sync.close()
+
+
+@pytest.mark.parametrize("module", ["llama_guard.httpx2", "llama_guard.aiohttp", "llama_guard.requests"])
+def test_a_flavour_presents_its_own_classes_and_keeps_the_shared_ones_public(module: str) -> None:
+    """A flavour's transports and errors show as its own (``llama_guard.httpx2.GuardTransport``); the classes it
+    exports again from `llama_guard` (GuardError, GuardPolicy) keep ``llama_guard``; none shows a private module."""
+    flavour = importlib.import_module(module)
+    shown = {name: value.__module__ for name in flavour.__all__ if isinstance(value := getattr(flavour, name), type)}
+    assert shown["GuardError"] == shown["GuardPolicy"] == "llama_guard"
+    assert shown["ProbeError"] == shown["ProbeTimeout"] == shown["FirstByteTimeout"] == module
+    assert set(shown.values()) == {"llama_guard", module}, shown

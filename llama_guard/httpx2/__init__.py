@@ -18,6 +18,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
     missing_extra(exc, feature="llama_guard.httpx2", extra="httpx2", modules=("httpx2", "httpcore2"))
 
+from .. import _public
 from .._core.errors import GuardError
 from .._core.policy import GuardPolicy
 from .._httpx2.async_transport import AsyncGuardTransport
@@ -27,24 +28,17 @@ from .._httpx2.sync_transport import GuardTransport
 from .._install.guard import guard
 
 __all__ = [
+    # httpx2's own transports and errors (its classes' subclasses)
     "AsyncGuardTransport",
     "DualGuardTransport",
-    "FirstByteTimeout",
-    "GuardError",
-    "GuardPolicy",
     "GuardTransport",
+    "FirstByteTimeout",
     "ProbeError",
     "ProbeTimeout",
+    # the same as llama_guard's
+    "GuardError",
+    "GuardPolicy",
     "guard",
 ]
 
-for _name in (
-    "AsyncGuardTransport",
-    "DualGuardTransport",
-    "FirstByteTimeout",
-    "GuardTransport",
-    "ProbeError",
-    "ProbeTimeout",
-):
-    globals()[_name].__module__ = "llama_guard.httpx2"
-del _name
+_public.present_as_public(globals())
