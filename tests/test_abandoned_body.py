@@ -11,12 +11,13 @@ half way through the body when the connection is reset; the next connection is a
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import socket
 import struct
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -119,9 +120,11 @@ class OneShot:
         return self._chunks.pop(0)
 
 
-def _post_under_trio(client_factory: object, url: str, *, one_shot: bool = False) -> tuple[object, list[str]]:
-    """Posts BODY (``one_shot``: as an async iterable) under trio; returns the outcome (a status or the exception's
-    class) and the messages of the ResourceWarnings seen, collection included."""
+def _post_under(
+    client_factory: object, url: str, *, one_shot: bool = False, run: Callable[..., object] = trio.run
+) -> tuple[object, list[str]]:
+    """Posts BODY (``one_shot``: as an async iterable) under trio (or ``run``: asyncio's); returns the outcome (a
+    status or the exception's class) and the messages of the ResourceWarnings seen, collection included."""
     outcome: object = None
 
     async def main() -> None:
@@ -135,14 +138,14 @@ def _post_under_trio(client_factory: object, url: str, *, one_shot: bool = False
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always", ResourceWarning)
-        trio.run(main)
+        run(main)
         gc.collect()
     return outcome, [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
 
 
 def test_plain_httpx_abandons_its_body_generator(server: ResetMidBody) -> None:
     """The control: plain httpx fails, and its abandoned body generator is warned about."""
-    outcome, resource_warnings = _post_under_trio(httpx.AsyncClient, f"http://127.0.0.1:{server.port}/v1/completions")
+    outcome, resource_warnings = _post_under(httpx.AsyncClient, f"http://127.0.0.1:{server.port}/v1/completions")
     assert _lost(outcome), outcome
     assert server.connections == 1
     assert any("ByteStream.__aiter__" in message for message in resource_warnings), resource_warnings
@@ -157,7 +160,7 @@ def test_the_guard_leaves_no_body_generator_behind(server: ResetMidBody, connect
     def factory() -> httpx.AsyncClient:
         return llama_guard.guard(httpx.AsyncClient(), policy=policy)
 
-    outcome, resource_warnings = _post_under_trio(factory, f"http://127.0.0.1:{server.port}/v1/completions")
+    outcome, resource_warnings = _post_under(factory, f"http://127.0.0.1:{server.port}/v1/completions")
     assert outcome == 200
     assert server.connections == 2
     assert resource_warnings == []
@@ -167,7 +170,7 @@ def test_plain_httpx_abandons_its_generator_over_a_one_shot_body(server: ResetMi
     """The control: plain httpx leaves its generator over the caller's async iterable suspended, and it is warned
     about."""
     url = f"http://127.0.0.1:{server.port}/v1/completions"
-    outcome, resource_warnings = _post_under_trio(httpx.AsyncClient, url, one_shot=True)
+    outcome, resource_warnings = _post_under(httpx.AsyncClient, url, one_shot=True)
     assert _lost(outcome), outcome
     assert any("AsyncIteratorByteStream.__aiter__" in message for message in resource_warnings), resource_warnings
 
@@ -182,7 +185,23 @@ def test_the_guard_closes_its_generator_over_a_one_shot_body(server: ResetMidBod
         return llama_guard.guard(httpx.AsyncClient(), policy=policy)
 
     url = f"http://127.0.0.1:{server.port}/v1/completions"
-    outcome, resource_warnings = _post_under_trio(factory, url, one_shot=True)
+    outcome, resource_warnings = _post_under(factory, url, one_shot=True)
     assert _lost(outcome), outcome
     assert server.connections == 1  # sent once
+    assert resource_warnings == []
+
+
+@pytest.mark.parametrize("connection", ["close", "reuse"])
+def test_under_asyncio_the_guard_retries_and_leaves_no_warning(server: ResetMidBody, connection: str) -> None:
+    """The same under asyncio (whose finalizer would close an abandoned generator quietly): the first attempt
+    fails, its retry is answered, nothing is warned about."""
+    policy = GuardPolicy(probe=False, backoff=0.01, connection=connection)
+
+    def factory() -> httpx.AsyncClient:
+        return llama_guard.guard(httpx.AsyncClient(), policy=policy)
+
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
+    outcome, resource_warnings = _post_under(factory, url, run=lambda main: asyncio.run(main()))
+    assert outcome == 200
+    assert server.connections == 2
     assert resource_warnings == []
