@@ -28,8 +28,8 @@ from llama_guard._core.probes import LEARN_AFTER, PROBE_SLICE, Admission, Origin
 from llama_guard._core.stats import GuardStats
 from llama_guard._drive import async_drive, sync_drive
 from llama_guard._runtime import PROCESS
+from llama_guard._runtime.admission_turns import AsyncTurn, ThreadTurn
 from llama_guard._runtime.stall_log import StallLog
-from llama_guard._runtime.turns import AsyncTurn, ThreadTurn
 from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
 
 from ._drivers import FLAVORS, Driver, close_driver, each_asks_then_close, episode_log, make_driver, run_scenario

@@ -20,7 +20,7 @@ import llama_guard.aiohttp as guard_aiohttp  # noqa: E402
 from llama_guard import GuardPolicy, Origin  # noqa: E402
 from llama_guard._core.probes import LEARN_AFTER, OriginProbes  # noqa: E402
 from llama_guard._runtime import PROCESS  # noqa: E402
-from llama_guard._runtime.turns import ThreadTurn  # noqa: E402
+from llama_guard._runtime.admission_turns import ThreadTurn  # noqa: E402
 from llama_guard.testing import Fault, LlamaServerEmulator  # noqa: E402
 
 from ._aiohttp_driver import AiohttpDriver, make_aiohttp_driver  # noqa: E402

@@ -158,7 +158,8 @@ def _nothing() -> None:
 
 
 class Turn(Protocol):
-    """How a connection waiting for admission is woken (``_runtime/turns.py``: a thread's, an event loop's)."""
+    """How a connection waiting for admission is woken (``_runtime/admission_turns.py``: a thread's, an event
+    loop's)."""
 
     def wake(self) -> None:
         """Tell the waiter its turn may have come; callable from any thread, at any time (also after the wait)."""

@@ -27,8 +27,8 @@ from .._core import connection_machine as connection
 from .._core import request_machine as request
 from .._core.probes import Admission
 from .._core.result import GuardResult
+from .._runtime.admission_turns import AsyncTurn
 from .._runtime.late_answers import WatchedConnection
-from .._runtime.turns import AsyncTurn
 
 __all__ = ["AsyncAttemptIO", "AsyncConnectionIO", "advance_connection", "drive_request"]
 

@@ -26,8 +26,8 @@ from .._core import connection_machine as connection
 from .._core import request_machine as request
 from .._core.probes import Admission
 from .._core.result import GuardResult
+from .._runtime.admission_turns import ThreadTurn
 from .._runtime.late_answers import WatchedConnection
-from .._runtime.turns import ThreadTurn
 
 __all__ = ["SyncAttemptIO", "SyncConnectionIO", "advance_connection", "drive_request"]
 

@@ -39,8 +39,8 @@ from .._core.guard import RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.log import logger
 from .._drive.sync_drive import advance_connection
+from .._runtime.admission_turns import ThreadTurn
 from .._runtime.spawn import spawn_thread
-from .._runtime.turns import ThreadTurn
 from .exceptions import ProbeError, ProbeTimeout
 from .internals import network_backend, pool_speaks_http1, set_instance_method, set_network_backend
 

@@ -21,7 +21,6 @@ from .._core.guard import Guard, GuardAttributes, RequestPlan
 from .._core.llama_server import CLIENT_KEEPALIVE, RETRIED_STATUSES
 from .._core.log import logger
 from .._core.origins import Origin, OriginRegistry
-from .._core.ownership import mark_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.process_state import ProcessState
 from .._core.request_machine import (
@@ -36,6 +35,7 @@ from .._core.request_machine import (
 )
 from .._core.result import EXTENSION, GuardResult
 from .._core.stats import GuardStats
+from .._core.wrapped_transports import mark_wrapped_by_a_guard
 from .._drive.sync_drive import advance_connection, drive_request
 from .._runtime import PROCESS
 from .sync_connections import SyncStreamIO, negotiated_http2, track_connections

@@ -40,9 +40,9 @@ import wrapt
 
 from .._core.decisions import is_streaming_response
 from .._core.origins import Origin, OriginRegistry
-from .._core.ownership import is_wrapped_by_a_guard
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
+from .._core.wrapped_transports import is_wrapped_by_a_guard
 from .aiohttp_sessions import InstalledSessions, session_request_method
 from .requests_pools import MODULES as _REQUESTS_MODULES
 from .requests_pools import InstalledPools
