@@ -65,9 +65,9 @@ def plan_for(
     )
     plan = guard.plan(
         request,
-        request.url.scheme,
-        request.url.host,
-        request.url.port,
+        scheme=request.url.scheme,
+        host=request.url.host,
+        port=request.url.port,
         origin=Origin.of_url(request.url),
         overrides=overrides,
         body=body,

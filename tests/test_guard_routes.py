@@ -40,7 +40,17 @@ def _plan(guard: Guard, url: str, body: bytes | None, *, hooks_follow: bool = Tr
     """As the httpx transport asks, origin not worked out (every origin guarded)."""
     request = httpx.Request("POST", url, content=body if body is not None else b"")
     scheme, host, port, _ = request_parts(True)(request)
-    return guard.plan(request, scheme, host, port, None, None, body, True, hooks_follow)
+    return guard.plan(
+        request,
+        scheme=scheme,
+        host=host,
+        port=port,
+        origin=None,
+        overrides=None,
+        body=body,
+        may_close=True,
+        hooks_follow=hooks_follow,
+    )
 
 
 def _decided(plan: RequestPlan) -> tuple[object, ...]:

@@ -75,7 +75,15 @@ class GuardMiddleware(GuardAttributes):
             if not guard.origins.is_llama(origin):
                 return await self._pass_through(request, handler, origin)
         body = await request_body(request)
-        plan = guard.plan(RequestView(request), scheme, host, port, origin, current_options(), body)
+        plan = guard.plan(
+            RequestView(request),
+            scheme=scheme,
+            host=host,
+            port=port,
+            origin=origin,
+            overrides=current_options(),
+            body=body,
+        )
         if not plan.as_is:
             return await drive_request(plan.start(), AiohttpAttempts(plan, handler), BEGIN)
 

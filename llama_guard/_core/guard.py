@@ -156,6 +156,7 @@ class Guard:
     def plan(
         self,
         request: Any,
+        *,
         scheme: str,
         host: str,
         port: int | None,
@@ -173,8 +174,7 @@ class Guard:
         the request's own options (a dict of `GuardPolicy` fields) or None; ``body``: its bytes when held in memory
         (None: a one-shot stream); ``may_close``: whether ``Connection: close`` may go on it (not where HTTP/2 may
         carry it); ``hooks_follow``: the stack sees the attempt's new connections anyway (a first attempt sent as it
-        is can still be probed and judged), the same for every request of a driver. Positional arguments: the
-        drivers call it for every request, and keywords cost a call about 2,000 instructions more."""
+        is can still be probed and judged), the same for every request of a driver."""
         started = time.monotonic()
         stream = body is not None and request.method == "POST" and wants_stream(body)
         route = self._routes.get((scheme, host, port)) if overrides is None else None

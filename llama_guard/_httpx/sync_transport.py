@@ -187,14 +187,14 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
         scheme, host, port, body = self._request_parts(request)
         plan = guard.plan(
             request,
-            scheme,
-            host,
-            port,
-            origin,
-            request.extensions.get(EXTENSION),
-            body,
-            not self._http2 or (self._http1 and scheme == "http"),  # may close: HTTP/2 forbids the header
-            self._hooked,
+            scheme=scheme,
+            host=host,
+            port=port,
+            origin=origin,
+            overrides=request.extensions.get(EXTENSION),
+            body=body,
+            may_close=not self._http2 or (self._http1 and scheme == "http"),  # HTTP/2 forbids the header
+            hooks_follow=self._hooked,
         )
         if plan.stream and (plan.close_connection or plan.drops_streams):
             # Its connection will not be reused: the replacement is opened now, while the stream is sent and read.

@@ -190,7 +190,15 @@ class PoolGuard(Guard):
         if type(body) is not bytes:  # requests' json= and data= send bytes: the usual request pays one test
             body = _replayable(body)
         view = CallView(pool, call, str(call["method"]).upper())
-        plan = self.plan(view, pool.scheme, pool.host, pool.port, origin, current_options(), body)
+        plan = self.plan(
+            view,
+            scheme=pool.scheme,
+            host=pool.host,
+            port=pool.port,
+            origin=origin,
+            overrides=current_options(),
+            body=body,
+        )
         # What every attempt sends: the caller's call (``call`` is the guard's own dict, made from the arguments),
         # with urllib3's own retries taken out (the guard's loop replaces them, see the module's doc), the body left
         # unread (the guard judges the headers first), and Connection: close on a copy of the headers when the plan
