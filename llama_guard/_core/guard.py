@@ -206,7 +206,8 @@ class Guard:
                 known = origin if origin is not None else Origin.of_url(request.url)  # as `RequestPlan.origin`
                 self._routes[scheme, host, port] = (stats, connection, replayable_as_is, known)
         closes = may_close and (connection.strategy == "close" or (stream and policy.stream_mode == "close"))
-        # Positional: made for every request, and keywords double what the call costs (about 5,000 instructions).
+        # Positional: made for every request, and keywords to a class go through a dict (about 400 ns more a request,
+        # 0.1% of one, timeit: `.plan` 1.15 against 1.55 µs).
         # A stream's connection the header does not close is dropped; only llama streams need it, and only a body that
         # asks for one (or could not be read) gets one: other responses skip the check (llama-server sends the rest
         # with a length).
@@ -383,7 +384,7 @@ class RequestPlan:
         # A stream's connection closed by the header (stats.stream_connections_closed); the close strategy's are not.
         self.stats.record_request(1, first_byte, closes and self.stream)
         # Positionally, in GuardResult's field order (attempts, reconnects, first_byte_seconds, stream,
-        # connection_closed, history, connection): once per request, and keywords cost 70% more.
+        # connection_closed, history, connection): once per request, and keywords cost about 300 ns more.
         return GuardResult(1, 0, first_byte, self.stream, closes or dropped, (), connection.strategy)
 
     def interrupted(self) -> None:
