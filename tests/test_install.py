@@ -211,6 +211,21 @@ def test_an_explicitly_guarded_client_is_not_guarded_twice(connection: str, racy
     assert installation.stats.snapshot().requests == 0
 
 
+def test_a_transport_with_its_own_process_state_is_not_guarded_twice(racy_server: LlamaServerEmulator) -> None:
+    # Which transports a guard wraps is a fact about those objects, not about what one ProcessState has learnt: a
+    # guard handed a process state of its own (tests do) must still be seen by install()'s class patches.
+    from llama_guard._runtime import new_process_state
+
+    installation = llama_guard.install(origins=[racy_server.url])
+    inner = httpx.HTTPTransport()
+    transport = llama_guard.GuardTransport(inner, process=new_process_state())
+    with httpx.Client(base_url=racy_server.url, transport=transport) as client:
+        result = client.get("/health").extensions["llama_guard"]
+    assert result.attempts == 1
+    assert transport.stats.snapshot().requests == 1
+    assert installation.stats.snapshot().requests == 0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -3,6 +3,9 @@
 A client guarded explicitly (`GuardTransport(inner)`, `guard(client)`) keeps its inner `HTTPTransport`; with
 `install()` active, that inner transport's patched method would otherwise wrap its requests in a second guard:
 two probes per connection, retries of retries, stats counted twice.
+
+Kept here, not in `ProcessState`: install()'s patches are on the classes, so process-wide whatever state a guard was
+handed; a guard made with a process state of its own (tests) must still be seen (tests/test_install.py).
 """
 
 from __future__ import annotations
