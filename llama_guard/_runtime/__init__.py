@@ -1,9 +1,9 @@
 """What runs beside the guard's decisions: threads, timers, sockets and event loops, and the process's one state.
 
 ``_core`` decides and holds no thread, socket or event loop; this package has them: the late-answer watch's
-duplicated sockets and its expiry thread (`late_answers`), the waiters' turns in threads and event loops (`turns`),
-and the stall episodes' timers (`stall_log`). `PROCESS` is the process's `ProcessState`, made here once: every guard
-is handed it (or a state of its own, in tests) when it is made.
+duplicated sockets and its expiry thread (`late_answers`), the waiters' turns in threads and event loops
+(`admission_turns`), and the stall episodes' timers (`stall_log`). `PROCESS` is the process's `ProcessState`, made
+here once: every guard is handed it (or a state of its own, in tests) when it is made.
 """
 
 from __future__ import annotations
