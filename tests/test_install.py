@@ -17,6 +17,7 @@ import pytest
 
 import llama_guard
 from llama_guard import GuardPolicy
+from llama_guard._runtime import new_process_state
 from llama_guard.testing import LlamaServerEmulator
 
 from ._recording_server import RecordingServer
@@ -214,8 +215,6 @@ def test_an_explicitly_guarded_client_is_not_guarded_twice(connection: str, racy
 def test_a_transport_with_its_own_process_state_is_not_guarded_twice(racy_server: LlamaServerEmulator) -> None:
     # Which transports a guard wraps is a fact about those objects, not about what one ProcessState has learnt: a
     # guard handed a process state of its own (tests do) must still be seen by install()'s class patches.
-    from llama_guard._runtime import new_process_state
-
     installation = llama_guard.install(origins=[racy_server.url])
     inner = httpx.HTTPTransport()
     transport = llama_guard.GuardTransport(inner, process=new_process_state())
