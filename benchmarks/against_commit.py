@@ -4,8 +4,8 @@ Whether a change moved the guard's figures, or the machine did: the earlier comm
 and each pair of runs is one ``alternatives.py --runs 1`` from each tree (each tree's own script and package), in
 alternating order, so that the load the machine goes through falls on both alike. Every run is saved; the summary
 prints, per (round trip, kind), the median ok req/s and slowest first response of each tree, and for the guard's
-kinds the probes' kicks and give-ups; for forced *reuse* beside the fixed pool, how many runs kept within the pool's
-floor + 0.3 s (issue 22's target)::
+kinds the probes' kicks and give-ups; for the default and forced *reuse* in a burst beside the fixed pool, how many
+runs kept within its floor + 0.05 s and + 0.3 s (issue 22's targets, ``alternatives.FLOOR_MARGINS``)::
 
     python benchmarks/against_commit.py a88cbca --pairs 20 -- --scenarios burst --round-trips loopback \\
         --kinds "guard reuse"
@@ -18,19 +18,17 @@ Needs what ``alternatives.py`` needs (the llama-server builds, nginx for its kin
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from alternatives import FIXED, FLOOR_MARGINS, Result, load, seconds_or_stuck
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-FLOOR = "fixed pool: plain httpx"
-FLOOR_MARGIN = 0.3
 
 
 def main() -> int:
@@ -77,42 +75,39 @@ def _run(tree: Path, save: Path, forwarded: list[str], scratch: str) -> None:
 
 
 def _summary(folder: Path, trees: list[str]) -> str:
-    cells: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    """Per (round trip, kind), each tree's runs read back with ``alternatives.load``; a guard kind with a floor
+    target (``FLOOR_MARGINS``) is paired with the fixed pool's plain client of the same run (the same file)."""
+    cells: dict[tuple[str, str, str], list[tuple[Result, float | None]]] = {}
     for path in sorted(folder.glob("*.json")):
         tree = path.stem.split("-", 1)[1]
-        results = json.loads(path.read_text())["results"]
-        floors = {r["trip"]: max(r["block"]["first_responses"]) for r in results if r["kind"] == FLOOR}
+        results, _ = load(path)
+        floors = {r.trip: r.slowest for r in results if r.kind == FIXED and r.scenario == "burst"}
         for result in results:
-            block = result["block"]
-            cells.setdefault((result["trip"], result["kind"], tree), []).append(
-                {
-                    "ok_per_s": sum(o["ok"] for o in block["outcomes"]) / block["seconds"],
-                    "slowest": max(block["first_responses"]),
-                    "floor": floors.get(result["trip"]),
-                    "guard": block.get("guard") or {},
-                }
-            )
+            cells.setdefault((result.trip, result.kind, tree), []).append((result, floors.get(result.trip)))
     lines = []
     for trip, kind in sorted({(trip, kind) for trip, kind, _ in cells}):
         for tree in trees:
             runs = cells.get((trip, kind, tree), [])
             if not runs:
                 continue
-            slowest = [1000 * r["slowest"] for r in runs]
+            slowest = [r.slowest for r, _ in runs]
             line = (
                 f"{trip:10} {kind:26} {tree:>9}: {len(runs)} runs, ok req/s "
-                f"{statistics.median(r['ok_per_s'] for r in runs):6.1f}, slowest first response median "
-                f"{statistics.median(slowest):5.0f} ms (max {max(slowest):.0f})"
+                f"{statistics.median(r.block.rate for r, _ in runs):6.1f}, slowest first response median "
+                f"{seconds_or_stuck(statistics.median(slowest))} (max {seconds_or_stuck(max(slowest))})"
             )
-            if runs[0]["guard"]:
+            guard = [r.block.guard for r, _ in runs if r.block.guard]
+            if guard:
                 line += (
-                    f", runs with kicks {sum(r['guard'].get('probe_kicks', 0) > 0 for r in runs)}, probes given up "
-                    f"{sum(r['guard'].get('probes_given_up', 0) for r in runs)} (answered late "
-                    f"{sum(r['guard'].get('probes_answered_late', 0) for r in runs)})"
+                    f", runs with kicks {sum(g.get('probe_kicks', 0) > 0 for g in guard)}, probes given up "
+                    f"{sum(g.get('probes_given_up', 0) for g in guard)} (answered late "
+                    f"{sum(g.get('probes_answered_late', 0) for g in guard)})"
                 )
-            if kind == "guard reuse" and all(r["floor"] is not None for r in runs):
-                within = sum(r["slowest"] <= r["floor"] + FLOOR_MARGIN for r in runs)
-                line += f", within the fixed pool's floor + {FLOOR_MARGIN} s in {within} of {len(runs)}"
+            margin = FLOOR_MARGINS.get(kind)
+            paired = [(r.slowest, floor) for r, floor in runs if floor is not None]
+            if margin is not None and paired:
+                within = sum(own <= floor + margin for own, floor in paired)
+                line += f", within the fixed pool's floor + {margin:g} s in {within} of {len(paired)}"
             lines.append(line)
     return "\n".join(lines)
 
