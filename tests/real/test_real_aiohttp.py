@@ -34,6 +34,7 @@ from ._burst import (
     BURST_TOKENS,
     FIRST_RESPONSE_BOUND,
     STALL_CONDITION,
+    STALL_MET,
     STALL_SERVER,
     STALL_TRIES,
     stall_load,
@@ -192,11 +193,19 @@ def test_aiohttp_burst_default_closes_and_nothing_stalls(real_server) -> None:  
 def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[no-untyped-def]
     """Through ``guarded_session`` (the keep-alive strategy, kicks on): no connection stuck, nothing failed, every first
     response within FIRST_RESPONSE_BOUND, the server ran exactly the completions answered, and a probe kicked or
-    failed (the stall happened; else a fresh server is tried, at most STALL_TRIES), kicks rescued at least one
-    stalled connection, with one stall reconnect for each failed probe."""
+    failed (the stall happened) with the kicks, if any went out, rescuing at least one stalled connection (else a
+    fresh server is tried, at most STALL_TRIES: `_burst.STALL_MET` says why kicks may rescue nothing), with one stall
+    reconnect for each failed probe."""
 
     def stalled(burst: AiohttpBurst) -> bool:
         return burst.stats is not None and burst.stats.probe_kicks + burst.stats.probes_failed > 0
+
+    def stall_met(burst: AiohttpBurst) -> bool:
+        return (
+            stalled(burst)
+            and burst.stats is not None
+            and (burst.stats.probe_kicks == 0 or burst.stats.probes_rescued >= 1)
+        )
 
     runs: list[AiohttpBurst] = []
 
@@ -206,7 +215,7 @@ def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[n
         print(f"guarded aiohttp try {number}, {burst.summary()}")
         return burst
 
-    until_stalled(run, stalled)
+    until_stalled(run, stall_met, met=STALL_MET)
     for burst in runs:
         where = burst.summary()
         assert burst.stats is not None
@@ -221,10 +230,12 @@ def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[n
         assert burst.stats.probes_failed == burst.stats.stall_reconnects, where
         # One probed connection per session, plus one per replacement: no connection went unprobed or extra.
         assert burst.stats.probes_sent == BURST + burst.stats.probes_failed, where
-        if burst.stats.probe_kicks:
-            assert burst.stats.probes_rescued >= 1, f"{where}: kicks went out, and rescued nothing"
-    assert stalled(runs[-1]), (
+    assert any(stalled(burst) for burst in runs), (
         f"no probe kicked or failed in {STALL_TRIES} bursts on fresh servers with {STALL_CONDITION}: the stall "
         "(defect 2) did not occur, so this test proved nothing about the guard; see "
         "test_aiohttp_burst_stalls_plain_sessions"
+    )
+    assert any(stall_met(burst) for burst in runs), (
+        f"kicks went out and rescued nothing, in every burst that stalled ({len(runs)} of at most {STALL_TRIES}): "
+        f"{[burst.summary() for burst in runs]}"
     )
