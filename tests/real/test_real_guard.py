@@ -340,26 +340,27 @@ def assert_burst_recovered(runs: list[BurstRun], tries: dict[str, int]) -> None:
         )
         assert run.server_ran is not None
         assert run.server_ran <= run.sent, f"{where}: the server ran more completions than were sent"
-    never = [
-        flavor
-        for flavor, runs_of in itertools.groupby(runs, key=lambda run: run.flavor)
-        if not any(stalled(run) for run in runs_of)
-    ]
+    never = flavors_without(runs, stalled)
     assert never == [], (
         f"no probe kicked or failed in {STALL_TRIES} bursts on fresh servers for {never} (tries {tries}), with "
         f"{STALL_CONDITION}: the burst did not trigger cpp-httplib's thread-pool "
         "stall (defect 2), so this test proved nothing about the guard there; check "
         "test_connection_burst_leaves_connections_unserved (the defect may be fixed in this build)"
     )
-    unrescued = [
-        flavor
-        for flavor, runs_of in itertools.groupby(runs, key=lambda run: run.flavor)
-        if not any(stall_met(run) for run in runs_of)
-    ]
+    unrescued = flavors_without(runs, stall_met)
     assert unrescued == [], (
         f"kicks went out and rescued nothing, in every burst of {unrescued} that stalled (tries {tries}, at most "
         f"{STALL_TRIES}): {[run.summary() for run in runs if run.flavor in unrescued]}"
     )
+
+
+def flavors_without(runs: list[BurstRun], shown: Callable[[BurstRun], bool]) -> list[str]:
+    """The flavours none of whose runs (consecutive in ``runs``) has ``shown``."""
+    return [
+        flavor
+        for flavor, runs_of in itertools.groupby(runs, key=lambda run: run.flavor)
+        if not any(shown(run) for run in runs_of)
+    ]
 
 
 def guarded_bursts(
