@@ -138,7 +138,10 @@ class FinHoldingRelay:
                         client_wrote_last = True
                         try:
                             server.sendall(data)
-                        except OSError:  # the server reset the connection: this request is lost too
+                        except OSError:
+                            # The server closed with a reset that arrived after the select: a close all the same
+                            # (counted, or the counts would hang on the race), and this request is lost.
+                            self._count("server_closes")
                             self._count("writes_after_close")
                             return
                         continue
