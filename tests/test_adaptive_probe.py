@@ -655,36 +655,38 @@ def test_only_a_first_probe_waits_the_learnt_deadline() -> None:
 
 def test_with_kicks_the_learnt_deadline_is_when_the_kicks_go() -> None:
     """With kicks (the default) a first probe waits ``probe_timeout``; its kicks go at the learnt deadline, then 2,
-    4, 8... times it, none at or after the give-up; between kicks the probe looks again at the next one."""
+    4, 8... times it, never more than a quarter of the deadline apart, none at or after the give-up; between kicks
+    the probe looks again at the next one."""
     policy = GuardPolicy(connection="reuse")
     assert policy.probe_kick
     request = machine_for(policy)
     probe = probing(request)
     assert probe.write.timeout == policy.probe_timeout
-    # Nothing learnt yet: kicks at a quarter and half of the probe's deadline, none at the give-up.
+    # Nothing learnt yet: kicks at a quarter, half and three quarters of the probe's deadline, none at the give-up.
     assert probe.machine.next(connection.WRITTEN) == connection.Read(pytest.approx(PROBE_SLICE))
     kicks = []
-    for at in (0.125, 0.25):
+    for at in (0.125, 0.25, 0.375):
         probe.clock.now = at
         assert isinstance(probe.machine.next(connection.TIMED_OUT), connection.Kick)
         kicks.append(at)
         action = probe.machine.next(connection.Kicked())
-    assert kicks == [0.125, 0.25]
+    assert kicks == [0.125, 0.25, 0.375]
     probe.clock.now = 0.49
     assert isinstance(action, connection.Read)
     assert probe.machine.next(connection.TIMED_OUT) == connection.Read(pytest.approx(0.01))  # no kick at the end
-    # The next probe, once the origin's answers taught a deadline: kicks at it, then 2, 4, 8 times it.
+    # The next probe, once the origin's answers taught a deadline: kicks at it, then 2 and 4 times it, then a
+    # quarter of the deadline apart.
     answered(request.plan.origin_probes, *(0.001,) * LEARN_AFTER)
     probe = probing(request)
     probe.clock.now = 0.01
     assert probe.machine.next(connection.WRITTEN) == connection.Read(pytest.approx(0.02))
     kicks = []
-    for at in (0.05, 0.1, 0.2, 0.4):
+    for at in (0.05, 0.1, 0.2, 0.325, 0.45):
         probe.clock.now = at
         assert isinstance(probe.machine.next(connection.TIMED_OUT), connection.Kick)  # not waited past
         kicks.append(at)
         action = probe.machine.next(connection.Kicked())
-    assert kicks == pytest.approx([0.05, 0.1, 0.2, 0.4])
-    probe.clock.now = 0.45
+    assert kicks == pytest.approx([0.05, 0.1, 0.2, 0.325, 0.45])
+    probe.clock.now = 0.47
     assert probe.machine.next(connection.TIMED_OUT) == connection.Read(pytest.approx(0.02))  # then the give-up
-    assert request.plan.stats.snapshot().probe_kicks == 6
+    assert request.plan.stats.snapshot().probe_kicks == 8

@@ -621,23 +621,50 @@ def test_kicks_go_to_a_unix_socket_through_it() -> None:
     assert made.machine.next(connection.TIMED_OUT) == connection.Kick("10.1.2.3", 8080, "/run/llama.sock")
 
 
-def test_a_probe_gives_up_at_its_deadline_and_kicks_before_it() -> None:
-    """Read slices until the deadline, then GiveUp; with kicks, a Kick at a quarter and half of it."""
+def test_a_probe_gives_up_at_its_deadline() -> None:
+    """Read slices until the deadline, then GiveUp."""
     made = connection_in(CS.READING)
     made.clock.now = 0.49
     assert isinstance(made.machine.next(connection.TIMED_OUT), connection.Read)
     made.clock.now = 0.51
     assert isinstance(made.machine.next(connection.TIMED_OUT), connection.GiveUp)
 
-    kicking = connection_in(CS.READING, KICKS)
-    kicks = []
+
+@pytest.mark.parametrize(
+    ("answers", "kicks"),
+    [
+        # Nothing learnt: at a quarter, a half and three quarters of the 0.5 s deadline (the slices at or past them).
+        ((), [0.14, 0.26, 0.38]),
+        # Learnt 0.05 s (4 x 0.01, at least probe_timeout_min): doubling, then a quarter apart: 0.05, 0.1, 0.2, 0.325,
+        # 0.45.
+        ((0.01,) * 4, [0.06, 0.1, 0.22, 0.34, 0.46]),
+        # Learnt 0.3 s (4 x 0.075), past a quarter of the deadline: as nothing learnt. Plain doubling kicked once, at
+        # 0.3 s, and a kick that served another probe's connection left this one to its give-up.
+        ((0.075,) * 4, [0.14, 0.26, 0.38]),
+    ],
+    ids=["nothing-learnt", "learnt-below-a-quarter", "learnt-past-a-quarter"],
+)
+def test_a_probe_kicks_before_its_deadline_at_most_a_quarter_of_it_apart(
+    answers: tuple[float, ...], kicks: list[float]
+) -> None:
+    """With kicks on, a Kick at the learnt deadline or a quarter of the probe's, whichever is sooner, then at doubling
+    spacing never wider than a quarter of it, until the GiveUp at the deadline."""
+    kicking = Connection(KICKS)
+    probes = kicking.request.plan.process.probes.of(kicking.request.plan.origin)
+    for seconds in answers:
+        probes.probe_answered(seconds, probes.probe_started())
+    kicking.machine.next(connection.Opening())
+    kicking.machine.next(connection.Opened())
+    kicking.machine.next(connection.WRITTEN)
+    seen = []
     for _ in range(30):
         kicking.clock.now += PROBE_SLICE
         state = kicking.machine.state
         action = kicking.machine.next(connection.Kicked() if state is CS.KICKING else connection.TIMED_OUT)
         if isinstance(action, connection.Kick):
-            kicks.append(round(kicking.clock.now, 3))
+            seen.append(round(kicking.clock.now, 3))
             assert (action.host, action.port) == ("10.1.2.3", 8080)
         if isinstance(action, connection.GiveUp):
             break
-    assert kicks == [0.14, 0.26], kicks  # the first slice at or past 0.125 s and 0.25 s
+    assert isinstance(action, connection.GiveUp)
+    assert seen == kicks, seen

@@ -87,9 +87,10 @@ __all__ = [
 READ_SIZE: Final = 65536
 # A kick connection that does not connect within this is counted as failed.
 KICK_CONNECT_TIMEOUT: Final = 1.0
-# Where a probe's first kick goes when nothing was learnt below its deadline: a quarter of it (0.125 s of the default
-# 0.5 s), then half; a healthy but slow first answer costs at most two short connections.
-UNLEARNT_KICK_FRACTION: Final = 0.25
+# A probe's first kick goes at the origin's learnt deadline or at this fraction of its own deadline, if sooner (0.125
+# s of the default 0.5 s), and its kicks are never further apart: a kick serves the oldest stalled connection, maybe
+# another probe's, so every probe kicks at least 3 times before its give-up (doubling from a late start gave 1 or 2).
+KICK_FRACTION: Final = 0.25
 
 
 class ConnectionState(enum.Enum):
@@ -466,17 +467,17 @@ class ConnectionMachine:
 
     def _next_kick(self) -> float | None:
         """Seconds into the probe at which it opens its next kick (`GuardPolicy.probe_kick`): the origin's learnt
-        deadline, then 2, 4, 8... times it; with nothing learnt below the probe's own deadline (too few answers
-        yet, learning off), a quarter of that deadline, then half. None when no kick comes before the give-up."""
+        deadline, then 2, 4, 8... times it, but the first no later and the spacing never wider than a quarter of the
+        probe's own deadline (`KICK_FRACTION`). None when no kick comes before the give-up."""
         plan = self.plan
         if not plan.policy.probe_kick:
             return None
-        first = self._probes.deadline(plan.policy)
-        if first >= self._deadline:
-            # A burst whose served connections are too few to learn from (the pool's threads held by long requests)
-            # still gets its kicks: they cost one short connection each, a stall costs the probe's whole deadline.
-            first = self._deadline * UNLEARNT_KICK_FRACTION
-        at = first * (2**self._kicks)
+        widest = self._deadline * KICK_FRACTION
+        # Nothing learnt below the deadline (too few answers yet, learning off; as in a burst whose served
+        # connections are too few to learn from) still kicks: a kick costs one short connection, a stall the deadline.
+        at = min(self._probes.deadline(plan.policy), widest)
+        for _ in range(self._kicks):
+            at += min(at, widest)
         return at if at < self._deadline else None
 
     def _on_written(self, event: ConnectionSignal) -> ConnectionAction:

@@ -134,8 +134,10 @@ class GuardPolicy:
             waited the learnt deadline, the guard opens one more TCP connection to the origin and closes it at once
             (a *kick*), and keeps waiting on the probe, until ``probe_timeout``: llama-server before b11737 spawns a
             pool thread for the new connection, which serves the *oldest* unread connection first, the stalled one.
-            Kicks repeat at 2, 4, 8... times the learnt deadline; before anything is learnt (or with
-            ``probe_learning=False``) they go at a quarter and half of ``probe_timeout``. An answer after a kick
+            Kicks repeat at 2, 4, 8... times the learnt deadline, but the first goes no later and they are never
+            further apart than a quarter of ``probe_timeout`` (before anything is learnt, or with
+            ``probe_learning=False``: at a quarter, half and three quarters of it), since a kick serves the oldest
+            stalled connection, which may be another probe's. An answer after a kick
             is not learnt from (it measures the rescue, not the server). A kick sends no request: the server reads
             nothing from it.
             False: a first probe is given up at the learnt deadline, and the connection replaced.
