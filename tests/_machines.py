@@ -12,7 +12,7 @@ from llama_guard._core import connection_machine as connection
 from llama_guard._core.connection_strategy import ConnectionBook
 from llama_guard._core.guard import Guard, RequestPlan
 from llama_guard._core.origins import Origin, OriginRegistry
-from llama_guard._core.probes import Admission, ProbeBook
+from llama_guard._core.probes import Admission, OriginProbes, ProbeBook
 from llama_guard._core.process_state import ProcessState
 from llama_guard._core.request_machine import RequestMachine
 from llama_guard._runtime import PROCESS
@@ -121,3 +121,9 @@ def give_up(probe: Probing, *, unseen: str | None = None) -> connection.Abort:
     abort = machine.next(connection.Watched(lambda: False, lambda: None, unseen))
     assert isinstance(abort, connection.Abort)
     return abort
+
+
+def answered(probes: OriginProbes, *latencies: float) -> None:
+    """Probes of the origin answered in ``latencies`` seconds, each learnt from (no kick out)."""
+    for seconds in latencies:
+        probes.probe_answered(seconds, probes.probe_started())

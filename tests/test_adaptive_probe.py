@@ -33,15 +33,10 @@ from llama_guard._runtime.stall_log import StallLog
 from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
 
 from ._drivers import FLAVORS, Driver, close_driver, each_asks_then_close, episode_log, make_driver, run_scenario
-from ._machines import give_up, machine_for, probing
+from ._machines import answered, give_up, machine_for, probing
 from .test_mechanisms import CHAT, burst, chat
 
 ORIGIN = Origin("http", "127.0.0.1", 1)
-
-
-def answered(probes: OriginProbes, *latencies: float) -> None:
-    for seconds in latencies:
-        probes.probe_answered(seconds, probes.probe_started())
 
 
 # -- the core: the deadline ----------------------------------------------------------------------------------------

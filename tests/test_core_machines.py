@@ -19,7 +19,7 @@ from llama_guard._core import request_machine as request
 from llama_guard._core.decisions import FailureKind
 from llama_guard._core.probes import PROBE_SLICE, Admission
 
-from ._machines import Clock, NoTurn, machine_for, plan_for
+from ._machines import Clock, NoTurn, answered, machine_for, plan_for
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\nKeep-Alive: timeout=5\r\n\r\n{"status":"ok"}'
 OK_CLOSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
@@ -649,13 +649,8 @@ def test_a_probe_kicks_before_its_deadline_at_most_a_quarter_of_it_apart(
 ) -> None:
     """With kicks on, a Kick at the learnt deadline or a quarter of the probe's, whichever is sooner, then at doubling
     spacing never wider than a quarter of it, until the GiveUp at the deadline."""
-    kicking = Connection(KICKS)
-    probes = kicking.request.plan.process.probes.of(kicking.request.plan.origin)
-    for seconds in answers:
-        probes.probe_answered(seconds, probes.probe_started())
-    kicking.machine.next(connection.Opening())
-    kicking.machine.next(connection.Opened())
-    kicking.machine.next(connection.WRITTEN)
+    kicking = connection_in(CS.READING, KICKS)
+    answered(kicking.request.plan.origin_probes, *answers)
     seen = []
     for _ in range(30):
         kicking.clock.now += PROBE_SLICE
