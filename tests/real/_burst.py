@@ -97,6 +97,12 @@ STALL_TRIES = 5
 #: (stop 34, aiohttp: 5 kicks, 0 rescued, 7 probes given up and replaced, nothing lost or late).
 STALL_MET = "stalled, any kicks rescuing"
 
+
+def kicks_rescuing(kicks: int, rescued: int) -> bool:
+    """The second half of :data:`STALL_MET`: no kick went out, or the kicks rescued at least one connection."""
+    return kicks == 0 or rescued >= 1
+
+
 T = TypeVar("T")
 
 

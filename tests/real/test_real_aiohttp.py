@@ -37,6 +37,7 @@ from ._burst import (
     STALL_MET,
     STALL_SERVER,
     STALL_TRIES,
+    kicks_rescuing,
     stall_load,
     until_stalled,
 )
@@ -201,11 +202,8 @@ def test_aiohttp_burst_through_the_guard(real_server) -> None:  # type: ignore[n
         return burst.stats is not None and burst.stats.probe_kicks + burst.stats.probes_failed > 0
 
     def stall_met(burst: AiohttpBurst) -> bool:
-        return (
-            stalled(burst)
-            and burst.stats is not None
-            and (burst.stats.probe_kicks == 0 or burst.stats.probes_rescued >= 1)
-        )
+        stats = burst.stats
+        return stalled(burst) and stats is not None and kicks_rescuing(stats.probe_kicks, stats.probes_rescued)
 
     runs: list[AiohttpBurst] = []
 

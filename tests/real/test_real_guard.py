@@ -50,6 +50,7 @@ from ._burst import (
     STALL_MET,
     STALL_SERVER,
     STALL_TRIES,
+    kicks_rescuing,
     stall_load,
     until_stalled,
 )
@@ -323,8 +324,7 @@ def stalled(burst: BurstRun) -> bool:
 def stall_met(burst: BurstRun) -> bool:
     """Whether a guarded burst stalled and, if its probes kicked, the kicks rescued at least one connection: what a
     flavour's bursts are tried for (`_burst.STALL_MET` says why a burst may stall without a rescue)."""
-    kicks = burst.guard_total("probe_kicks")
-    return stalled(burst) and (kicks == 0 or burst.guard_total("probes_rescued") >= 1)
+    return stalled(burst) and kicks_rescuing(burst.guard_total("probe_kicks"), burst.guard_total("probes_rescued"))
 
 
 def assert_burst_recovered(runs: list[BurstRun], tries: dict[str, int]) -> None:
