@@ -630,6 +630,43 @@ def test_a_probe_gives_up_at_its_deadline() -> None:
     assert isinstance(made.machine.next(connection.TIMED_OUT), connection.GiveUp)
 
 
+@pytest.mark.parametrize(("kicks", "failed_probes"), [(False, 2), (True, 2), (False, 0)])
+def test_an_admitted_probe_holds_the_turn_no_longer_than_probe_timeout(kicks: bool, failed_probes: int) -> None:
+    """connect_admission: a request's later probe (the ladder's 1 s deadline after 2 given up, kicks on or off)
+    passes the origin's turn on at probe_timeout (0.5 s) and waits on to its own deadline; the connection queued
+    behind it is then admitted. A first probe, whose deadline is probe_timeout, holds it to its give-up."""
+    policy = GuardPolicy(
+        connection="reuse", connect_admission="always", probe_kick=kicks, probe_timeout=0.5, probe_timeout_max=4.0
+    )
+    made = Connection(policy)
+    made.request.plan.failed_probes = failed_probes
+    machine = made.machine
+    admit = machine.next(connection.Opening())
+    assert isinstance(admit, connection.Admit)
+    held = Admission(admit.probes, admit.stats, NoTurn())
+    assert not held.waits
+    machine.next(connection.Admitted(held))
+    write = machine.next(connection.Opened())
+    assert isinstance(write, connection.Write)
+    assert write.timeout == (1.0 if failed_probes else 0.5)
+    queued = Admission(admit.probes, admit.stats, NoTurn())
+    assert queued.waits
+    machine.next(connection.WRITTEN)
+    seen: list[tuple[float, bool, str]] = []
+    while machine.state is not CS.GIVING_UP:
+        made.clock.now = round(made.clock.now + PROBE_SLICE, 3)
+        machine.next(connection.Kicked() if machine.state is CS.KICKING else connection.TIMED_OUT)
+        seen.append((made.clock.now, queued.admitted(), machine.state.name))
+    turn_passed = next((now for now, admitted, _ in seen if admitted), None)
+    given_up = seen[-1][0]
+    if failed_probes:
+        assert turn_passed == 0.5, seen
+        assert given_up == 1.0, seen
+    else:
+        assert (turn_passed, given_up) == (None, 0.5), seen  # its give-up leaves the turn (`_end`), after this
+    queued.leave()
+
+
 @pytest.mark.parametrize(
     ("answers", "kicks"),
     [

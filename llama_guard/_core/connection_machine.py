@@ -569,6 +569,10 @@ class ConnectionMachine:
         remaining = self._deadline - elapsed
         if remaining <= 0:
             return self._give_up()
+        if self._admission is not None and elapsed >= plan.policy.probe_timeout:
+            # A later probe of a request waits the ladder's longer deadlines; the origin's turn is held no longer than
+            # a first probe's, so one stalled connection does not keep the others queued behind it for seconds.
+            self._leave_admission()
         kick = self._next_kick()
         if kick is not None:
             if elapsed >= kick:
@@ -653,6 +657,9 @@ class ConnectionMachine:
         if sample is not None:
             self._sample = None
             sample.end_sample()
+        self._leave_admission()
+
+    def _leave_admission(self) -> None:
         admission = self._admission
         if admission is not None:
             self._admission = None

@@ -142,10 +142,11 @@ class GuardPolicy:
             nothing from it.
             False: a first probe is given up at the learnt deadline, and the connection replaced.
         connect_admission: when new connections to an origin are opened and probed one at a time, each waiting until
-            the previous one's probe was answered or given up. ``"after_stall"`` (default): for 5 s after a probe of
-            that origin was given up, so that reconnects do not reach the server as a new burst. ``"always"``: for
-            every new connection, which also keeps a burst of lazily opened connections from stalling, at the cost of
-            one connect and probe round trip per connection in a burst. ``"off"``: never.
+            the previous one's probe was answered or given up, or has waited ``probe_timeout``. ``"after_stall"``
+            (default): for 5 s after a probe of that origin was given up, so that reconnects do not reach the server as
+            a new burst. ``"always"``: for every new connection, which also keeps a burst of lazily opened connections
+            from stalling, at the cost of one connect and probe round trip per connection in a burst. ``"off"``:
+            never.
         prewarm: under the keep-alive strategy, a llama stream's connection is not reused (the server closes it
             after the final chunk): open its replacement in the background as the stream's request goes out,
             connected, TLS'd and probed, for the pool's next connect to that origin (default True; httpx and httpx2
