@@ -31,8 +31,8 @@ The count is so a lower bound of false alarms (a server's own count of ``GET /he
 Admission: while a probe of the origin was given up within ``RECOVERY_WINDOW`` seconds (``"after_stall"``), or
 always (``"always"``), new connections to it are opened and probed one at a time, in the order they asked: the
 next connection is opened once the previous one's probe was answered or given up, or has waited ``probe_timeout``
-(a request's later probes wait longer: the ladder). Reconnects after a stall then
-reach the server one by one instead of as a new burst. A waiting connection sleeps until woken (`Turn`): the
+(a request's later probes wait longer: the ladder). Reconnects after a stall then reach the server one by one
+instead of as a new burst. A waiting connection sleeps until woken (`Turn`): the
 connection that frees the turn wakes the one now first in the queue, in whatever thread or event loop it waits.
 """
 
