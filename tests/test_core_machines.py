@@ -19,7 +19,7 @@ from llama_guard._core import request_machine as request
 from llama_guard._core.decisions import FailureKind
 from llama_guard._core.probes import PROBE_SLICE, Admission
 
-from ._machines import Clock, NoTurn, answered, machine_for, plan_for
+from ._machines import Clock, NoTurn, answered, machine_for, plan_for, probing
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\nKeep-Alive: timeout=5\r\n\r\n{"status":"ok"}'
 OK_CLOSE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
@@ -638,25 +638,20 @@ def test_an_admitted_probe_holds_the_turn_no_longer_than_probe_timeout(kicks: bo
     policy = GuardPolicy(
         connection="reuse", connect_admission="always", probe_kick=kicks, probe_timeout=0.5, probe_timeout_max=4.0
     )
-    made = Connection(policy)
-    made.request.plan.failed_probes = failed_probes
-    machine = made.machine
-    admit = machine.next(connection.Opening())
-    assert isinstance(admit, connection.Admit)
-    held = Admission(admit.probes, admit.stats, NoTurn())
-    assert not held.waits
-    machine.next(connection.Admitted(held))
-    write = machine.next(connection.Opened())
-    assert isinstance(write, connection.Write)
-    assert write.timeout == (1.0 if failed_probes else 0.5)
-    queued = Admission(admit.probes, admit.stats, NoTurn())
+    request_machine = machine_for(policy)
+    plan = request_machine.plan
+    plan.failed_probes = failed_probes
+    made = probing(request_machine)  # admitted: the turn is its own
+    assert made.write.timeout == (1.0 if failed_probes else 0.5)
+    machine, clock = made.machine, made.clock
+    queued = Admission(plan.origin_probes, plan.stats, NoTurn())
     assert queued.waits
     machine.next(connection.WRITTEN)
     seen: list[tuple[float, bool, str]] = []
     while machine.state is not CS.GIVING_UP:
-        made.clock.now = round(made.clock.now + PROBE_SLICE, 3)
+        clock.now = round(clock.now + PROBE_SLICE, 3)
         machine.next(connection.Kicked() if machine.state is CS.KICKING else connection.TIMED_OUT)
-        seen.append((made.clock.now, queued.admitted(), machine.state.name))
+        seen.append((clock.now, queued.admitted(), machine.state.name))
     turn_passed = next((now for now, admitted, _ in seen if admitted), None)
     given_up = seen[-1][0]
     if failed_probes:
