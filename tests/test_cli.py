@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +23,8 @@ from llama_guard._cli.demo import demo_rows, format_table
 from llama_guard._cli.load import LoadRow, proxy_load, run_threads
 from llama_guard._cli.main import COMMANDS, build_parser, main
 from llama_guard.testing import Fault, LlamaServerEmulator
+
+_CLI_DOCS = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
 
 
 @pytest.mark.slow  # the whole demo, 15 s or more
@@ -106,6 +109,21 @@ def test_help_lists_every_command() -> None:
     assert set(COMMANDS) == {"demo", "doctor", "watch", "run"}
     for name in COMMANDS:
         assert f"    {name} " in result.stdout, result.stdout
+
+
+def test_help_and_docs_name_every_library_install_guards() -> None:
+    """``llama-guard run`` guards what install() patches; its help, the command's description and docs/cli.md's row
+    name each of those libraries (they once said httpx/httpx2 while requests and aiohttp were guarded too)."""
+    from llama_guard._install.patching import LIBRARIES
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    run_help = next(choice.help for choice in commands._choices_actions if choice.dest == "run")
+    docs_row = next(line for line in _CLI_DOCS.read_text().splitlines() if line.startswith("| `llama-guard run"))
+    assert {"httpx", "httpx2", "aiohttp", "requests", "urllib3"} <= set(LIBRARIES)
+    for text in (run_help or "", parser.description or "", docs_row):
+        named = set(re.findall(r"[a-z0-9]+", text))
+        assert set(LIBRARIES) <= named, (text, set(LIBRARIES) - named)
 
 
 @pytest.mark.parametrize(

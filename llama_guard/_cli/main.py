@@ -225,7 +225,8 @@ def _command_watch(args: argparse.Namespace) -> int:
 def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
-        help="run a program with every httpx/httpx2 client in it guarded (no code change)",
+        help="run a program with every httpx, httpx2, aiohttp, requests and urllib3 client in it guarded (no code "
+        "change)",
         description="Runs COMMAND with llama_guard.install() active in its Python processes (through PYTHONPATH). "
         "Origins come from --origins, else from $LLAMA_GUARD_ORIGINS, else 'auto' (servers that identify as "
         "llama.cpp). The command replaces this process: its exit status is the command's. "
@@ -264,7 +265,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="llama-guard",
-        description="Make pooled httpx clients safe against llama.cpp's llama-server.",
+        description="Make pooled HTTP clients (httpx, httpx2, aiohttp, requests and urllib3) safe against llama.cpp's "
+        "llama-server.",
     )
     parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -34,7 +34,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import wrapt
 
@@ -251,12 +251,14 @@ _current: Installation | None = None
 _handles: dict[_Target, Any] = {}  # target -> the wrapt wrapper installed on its class
 _hooked_modules: set[str] = set()  # post-import hooks cannot be removed: register each once, let them check state
 _AIOHTTP = "aiohttp"
+# Every library install() patches, by module name (also the name users know it by): the CLI and docs name these.
+LIBRARIES: Final = (*_MODULES, _AIOHTTP, *_REQUESTS_MODULES)
 _aiohttp_handle: tuple[type, str, Any] | None = None  # (class, method, wrapt wrapper) on aiohttp's sessions
 
 
 def install(*, origins: str | Sequence[str | Origin] | None = None, policy: GuardPolicy | None = None) -> Installation:
-    """Guard the llama-server traffic of every httpx, httpx2 and aiohttp client in this process; returns the
-    `Installation`.
+    """Guard the llama-server traffic of every httpx, httpx2, aiohttp, requests and urllib3 client in this process;
+    returns the `Installation`.
 
     ``origins``: the llama-server origins to guard, e.g. ``["http://127.0.0.1:8080"]``; ``None`` or ``"auto"``
     (default): every server that identifies itself as llama.cpp. ``policy``: the guard's settings (a
@@ -281,7 +283,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
         if _current is not None:
             _current._undo()  # its pools and sessions get the new settings at their next request
         _current = Installation(setting, policy)
-        for module in (*_MODULES, _AIOHTTP, *_REQUESTS_MODULES):
+        for module in LIBRARIES:
             if module not in _hooked_modules:
                 _hooked_modules.add(module)
                 wrapt.register_post_import_hook(_patch_module, module)  # runs now if already imported
@@ -294,7 +296,7 @@ def install(*, origins: str | Sequence[str | Origin] | None = None, policy: Guar
 
 
 def uninstall() -> None:
-    """Undo `install()`: the wrapped methods are restored; clients go back to plain httpx/httpx2 behaviour.
+    """Undo `install()`: the wrapped methods are restored; clients go back to their library's own behaviour.
 
     Harmless when nothing is installed. Responses already being read keep the guard they started with.
     """
@@ -342,7 +344,7 @@ def normalise_install_origins(origins: object) -> str | tuple[Origin, ...]:
 
 
 def _patch_module(module: Any) -> None:
-    """Post-import hook of httpx/httpx2/aiohttp: patch them if an installation is active now."""
+    """Post-import hook of each of `LIBRARIES`: patch it if an installation is active now."""
     with _STATE_LOCK:
         for target in _TARGETS:
             if target.module == module.__name__:

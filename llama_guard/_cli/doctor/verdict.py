@@ -40,7 +40,8 @@ NONSTREAM_FIX = (
 POOL_FIX = (
     f"upgrade llama-server to b{FIRST_FIXED_BUILD} or later, or start it with --threads-http above the number of "
     "connections your clients keep open (the default is max(parallel + 4, CPUs - 1)); on the client side, "
-    "llama_guard.GuardTransport checks every new connection with GET /health and moves unread ones aside"
+    "llama_guard.GuardTransport sends 'Connection: close' where a new connection is cheap, so no idle connection "
+    "holds a server thread, and elsewhere checks every new connection with GET /health and moves unread ones aside"
 )
 
 #: The page for clients that cannot import llama_guard (another language, a proxy in front of llama-server).
