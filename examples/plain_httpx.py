@@ -83,6 +83,9 @@ def main() -> int:
                 f"transport.stats: requests={stats.requests} retries={stats.retries} "
                 f"stream_connections_closed={stats.stream_connections_closed} probes_sent={stats.probes_sent}"
             )
+            # Why probes_sent may be 0: the connection strategy chosen for the server, and its reason.
+            for origin, strategy in stats.connection_strategies.items():
+                print(f"connection strategy for {origin}: {strategy}")
     return 0 if outcomes["HTTP 200"] == REQUESTS else 1
 
 
