@@ -182,7 +182,8 @@ def demo_rows(*, requests: int = 600, clients: int = 32, seconds: float = 2.5) -
 
 NEXT_STEP = (
     "Next: guard your own client, httpx.Client(transport=llama_guard.GuardTransport()) or "
-    "llama_guard.guard(client) (docs/quickstart.md); for code that builds its clients itself, "
+    "llama_guard.guard(client) (docs/quickstart.md; aiohttp and requests sessions: docs/integrations.md); for code "
+    "that builds its clients itself, "
     "llama_guard.install() or llama-guard run -- python app.py; llama-guard doctor URL examines your own server."
 )
 
