@@ -134,20 +134,22 @@ def test_no_delay_is_loopback(upstream: Upstream) -> None:
 
 @pytest.mark.parametrize("handshake", [True, False])
 def test_first_byte_pays_a_handshake_round_trip(upstream: Upstream, handshake: bool) -> None:
-    """A new connection's first echo takes one round trip more than the next ones (a TCP handshake's cost), and
-    only when the handshake is on."""
+    """A new connection's first echo, timed from its connect, takes one round trip more than an echo on an open
+    connection (a TCP handshake's cost), and only when the handshake is on.
+
+    Timed from the connect because the relay counts the handshake's round trip from its accept: a client that
+    sends later (a busy machine's late wake-up) would see less of it. Both bounds are on the fastest of five
+    connections: lateness only adds, so the fastest is the one nearest the relay's own timing."""
     with DelayRelay(("127.0.0.1", upstream.port), delay=DELAY, handshake=handshake) as relay:
-        firsts, seconds = [], []
-        for _ in range(3):
+        firsts = []
+        for _ in range(5):
+            started = time.monotonic()
             with socket.create_connection(relay.address) as s:
                 s.settimeout(5)
-                firsts.append(round_trip(s))
-                seconds.append(round_trip(s))
-    extra = statistics.median(firsts) - statistics.median(seconds)
-    if handshake:
-        assert 2 * DELAY - EARLY <= extra <= 2 * DELAY + LATE, (firsts, seconds)
-    else:
-        assert extra < DELAY, (firsts, seconds)
+                round_trip(s)
+                firsts.append(time.monotonic() - started)
+    round_trips = 2 if handshake else 1
+    assert round_trips * 2 * DELAY - EARLY <= min(firsts) <= round_trips * 2 * DELAY + LATE, firsts
 
 
 def test_delay_is_a_pipeline(upstream: Upstream) -> None:
