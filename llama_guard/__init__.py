@@ -1,4 +1,5 @@
-"""llama_guard: httpx transports that make pooled HTTP clients safe against llama.cpp's llama-server.
+"""llama_guard: transports for httpx, httpx2, aiohttp and requests that make pooled HTTP clients safe against
+llama.cpp's llama-server.
 
     import httpx, llama_guard
     client = httpx.Client(transport=llama_guard.GuardTransport(), base_url="http://127.0.0.1:8080")
