@@ -473,7 +473,18 @@ def check_load(run: LoadRun, server: LlamaServerEmulator, label: str, connection
     assert 0 < counter.peak_owned <= MAX_CONNECTIONS, counter.peak_owned
     assert counter.peak <= MAX_CONNECTIONS + counter.peak_closing
     assert run.open_after_close == 0
-    assert server_side.connections_accepted == run.counter.opened + kicks, "a connection came from outside the pool"
+    # A connect the client saw fail may still have been accepted: a reset at accept (RESET_BEFORE_READ) can reach the
+    # socket before the event loop sees its connect complete, and a kick's connect can time out as the server takes
+    # it. Each such connection is one of the client's own failed connects, which bound the difference.
+    failed_connects = stats.errors.get("ConnectError", 0) + stats.probe_kicks_failed
+    accepted = server_side.connections_accepted
+    assert counter.opened + kicks <= accepted <= counter.opened + kicks + failed_connects, (
+        "a connection came from outside the pool",
+        accepted,
+        counter.opened,
+        kicks,
+        failed_connects,
+    )
     print(
         f"{label}: 0/{run.requests} lost; faults { {f.name: n for f, n in faults.items()} }; "
         f"{stats.retries} retries, {stats.probes_sent} probes ({stats.probes_failed} failed); "
