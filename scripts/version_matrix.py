@@ -4,9 +4,9 @@
 The guard reaches into httpcore's and httpcore2's internals (behind one version gate), so the versions the pins admit
 must be the versions it was tested with. Each row gets a fresh virtual environment under ``.matrix/``, the project
 installed with its ``test`` extra and the row's exact versions, and runs ``pytest -m "not slow and not
-real_server"``
-with ``LLAMA_GUARD_PARTIAL_DEPS=1``: a test module that needs a package the row lacks (httpx2 on Python 3.10, the
-frameworks) is not collected, and pytest's summary names it.
+real_server"`` with ``LLAMA_GUARD_PARTIAL_DEPS=1``: a test module that needs a package the row lacks (httpx2 on
+Python 3.10, the frameworks) is not collected, and pytest's summary names it. httpx2 needs Python 3.11, so its
+lowest version has a row of its own, which runs only the tests named for httpx2.
 
 Usage::
 
@@ -39,9 +39,12 @@ class Row:
     python: str
     pins: tuple[str, ...]
     why: str
+    #: A pytest ``-k`` expression: the row runs only these tests of the fast core (None: all of it).
+    select: str | None = None
 
 
-# Keep in step with pyproject.toml's bounds and llama_guard/_httpx/_internals.py's TESTED table.
+# Keep in step with pyproject.toml's bounds and the TESTED_VERSIONS tables (llama_guard/_httpx/internals.py,
+# llama_guard/_aiohttp/internals.py): tests/test_version_pins.py checks that every bound is a row's.
 ROWS = (
     Row(
         "oldest",
@@ -62,8 +65,15 @@ ROWS = (
     Row(
         "newest",
         "3.13",
-        ("httpx==0.28.1", "httpcore==1.0.9", "httpx2==2.16.2", "httpcore2==2.16.2", "aiohttp==3.14.5"),
+        ("httpx==0.29.0", "httpcore==1.0.9", "httpx2==2.17.0", "httpcore2==2.17.0", "aiohttp==3.14.5"),
         "the newest versions the pins allow, on the newest Python",
+    ),
+    Row(
+        "oldest-httpx2",
+        "3.11",
+        ("httpx2==2.16.2", "httpcore2==2.16.2"),
+        "the lowest httpx2 the pins allow, its tests, on the lowest Python httpx2 supports (the oldest row's has none)",
+        select="httpx2",
     ),
 )
 
@@ -132,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"version matrix: {row.name}: error: {exc}", file=sys.stderr)
             return 2
         print(f"version matrix: {row.name}: {versions(python)}", flush=True)
+        selection = [] if row.select is None else ["-k", row.select]
         code = run(
-            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST_CORE],
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST_CORE, *selection],
             env={**os.environ, "LLAMA_GUARD_PARTIAL_DEPS": "1"},
         )
         took = time.monotonic() - started

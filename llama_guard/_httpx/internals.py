@@ -52,13 +52,15 @@ __all__ = [
 ]
 
 # The versions whose private attributes used here were read and run against. httpcore 1.0.7 to 1.0.9 ship the same
-# connection_pool.py, the one the race fix below was copied from (earlier 1.0.x differ). httpx 0.27/0.28 keep
-# Client._transport/_mounts, HTTPTransport._pool and Headers._list as used here.
+# connection_pool.py, the one the race fix below was copied from (earlier 1.0.x differ). httpx 0.27 to 0.29 keep
+# Client._transport/_mounts, HTTPTransport._pool and Headers._list as used here (0.29.0 only exports FunctionAuth and
+# rewords messages). httpcore2 2.17.0 closes an idle connection the server has closed when a request takes it, no
+# longer in `has_expired()`: the guard reads neither, and its pool hooks (_network_backend, create_connection) stay.
 TESTED_VERSIONS: dict[str, frozenset[str]] = {
     "httpcore": frozenset({"1.0.7", "1.0.8", "1.0.9"}),
-    "httpx": frozenset({"0.27.0", "0.27.1", "0.27.2", "0.28.0", "0.28.1"}),
-    "httpcore2": frozenset({"2.16.2"}),
-    "httpx2": frozenset({"2.16.2"}),
+    "httpx": frozenset({"0.27.0", "0.27.1", "0.27.2", "0.28.0", "0.28.1", "0.29.0"}),
+    "httpcore2": frozenset({"2.16.2", "2.17.0"}),
+    "httpx2": frozenset({"2.16.2", "2.17.0"}),
 }
 
 
