@@ -6,7 +6,8 @@
 ``.ci/run`` runs it so. It needs nothing but the package itself (no pytest): against the built-in emulator, with
 its stream defect on every time, it runs ``install()`` (origins listed, then auto) -> requests -> ``uninstall()``,
 ``guard()`` on sync and async clients, ``llama-guard run -- python -c ...``, and checks that the optional flavours
-(``llama_guard.aiohttp``, ``llama_guard.httpx2``) name the extra they need. Each check prints a line; the first
+(``llama_guard.aiohttp``, ``llama_guard.httpx2``, ``llama_guard.requests``) and ``llama-guard --version`` name the
+extra they need. Each check prints a line; the first
 failure stops the script with exit status 1 and says what went wrong.
 """
 
@@ -141,6 +142,17 @@ def run_command(url: str) -> None:
     )
 
 
+def version_names_the_missing_extras() -> None:
+    """``llama-guard --version`` works without the extras, and says how to install each library they bring."""
+    script = Path(sys.executable).with_name("llama-guard")
+    done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    check(done.returncode == 0, f"llama-guard --version exited {done.returncode}; stderr: {done.stderr[-2000:]!r}")
+    for extra, module in EXTRAS.items():
+        library = "urllib3" if extra == "requests" else module  # the requests extra's line is urllib3's (its pools)
+        line = f"{library}: not installed (pip install 'llama-guard[{extra}]')"
+        check(line in done.stdout, f"llama-guard --version does not say {line!r}: {done.stdout!r}")
+
+
 def missing_extras_are_named() -> None:
     for extra, module in EXTRAS.items():
         try:
@@ -161,6 +173,7 @@ def main() -> int:
         ("guard(httpx.Client), guard(httpx.AsyncClient)", guard_clients),
         ("llama-guard run --origins url -- python -c ...", run_command),
         ("a missing extra is named when its flavour is imported", lambda url: missing_extras_are_named()),
+        ("llama-guard --version names the missing extras", lambda url: version_names_the_missing_extras()),
     ]
     try:
         no_extras_installed()

@@ -5,8 +5,10 @@ doctor and watch are driven end to end in tests/test_doctor.py and tests/test_wa
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import io
 import itertools
+import platform
 import re
 import subprocess
 import sys
@@ -15,10 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpcore
 import httpx
 import pytest
 
 import llama_guard
+from llama_guard._cli import versions
 from llama_guard._cli.demo import demo_rows, format_table
 from llama_guard._cli.load import LoadRow, proxy_load, run_threads
 from llama_guard._cli.main import COMMANDS, build_parser, main
@@ -98,9 +102,66 @@ def test_every_flag_of_every_command_has_help() -> None:
 
 
 def test_version() -> None:
+    """The first line is llama_guard's version, as before; then Python's, and one line for each library the guard
+    covers, on stdout."""
     result = subprocess.run([sys.executable, "-m", "llama_guard", "--version"], capture_output=True, text=True)
     assert result.returncode == 0
-    assert result.stdout.strip() == f"llama-guard {llama_guard.__version__}"
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"llama-guard {llama_guard.__version__}"
+    assert lines[1] == f"  Python {platform.python_version()}"
+    assert [line.split()[0].rstrip(":") for line in lines[2:]] == ["httpx", "httpx2", "aiohttp", "urllib3"]
+    httpx_line = f"  httpx {httpx.__version__}, httpcore {httpcore.__version__}: "
+    assert lines[2] == httpx_line + "tested, so the guard hooks its connection pool"
+
+
+def test_version_says_what_the_guard_does_on_an_untested_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version outside the gate's list is named with what the guard does without its hooks; the others stay."""
+    pytest.importorskip("aiohttp")
+    import aiohttp
+
+    monkeypatch.setattr(httpx, "__version__", "0.99.0")
+    monkeypatch.setattr(aiohttp, "__version__", "3.99.0")
+    lines = {line.split()[0].rstrip(":"): line for line in versions.library_lines()}
+    assert "httpx 0.99.0 is not a version llama_guard was tested with (0.27.0, " in lines["httpx"]
+    assert lines["httpx"].endswith("the guard patches nothing private and follows requests through the trace extension")
+    assert "aiohttp 3.99.0 is not a version llama_guard was tested with" in lines["aiohttp"]
+    assert "new connections are not probed" in lines["aiohttp"]
+    assert lines["urllib3"].endswith("urllib3 2.x, so the guard hooks its pools")
+
+
+def test_version_names_the_extra_of_a_library_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name in ("httpx2", "aiohttp"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed(name)
+
+    monkeypatch.setattr(versions.importlib.metadata, "version", version)
+    lines = versions.library_lines()
+    assert "httpx2: not installed (pip install 'llama-guard[httpx2]')" in lines
+    assert "aiohttp: not installed (pip install 'llama-guard[aiohttp]')" in lines
+
+
+def test_the_version_sample_in_the_docs_is_what_the_command_prints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/cli.md's sample: httpx2 not installed and an untested aiohttp, as the command words them."""
+    pytest.importorskip("aiohttp")
+    import aiohttp
+
+    installed = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "httpx2":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "3.99.0" if name == "aiohttp" else installed(name)
+
+    monkeypatch.setattr(versions.importlib.metadata, "version", version)
+    monkeypatch.setattr(aiohttp, "__version__", "3.99.0")
+    sample = _CLI_DOCS.read_text().partition("\nllama-guard 0.1.0\n")[2].partition("```")[0].splitlines()
+    printed = {line.split()[0].rstrip(":"): f"  {line}" for line in versions.library_lines()}
+    for name in ("httpx2", "aiohttp"):
+        assert printed[name] in sample, name
 
 
 def test_help_lists_every_command() -> None:

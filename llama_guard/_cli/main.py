@@ -256,10 +256,17 @@ COMMANDS: dict[str, tuple[Adder, Runner]] = {
 }
 
 
-def _version() -> str:
-    from .. import __version__
+class _VersionAction(argparse.Action):
+    """``--version``: worked out when asked (it imports the HTTP libraries), then exit."""
 
-    return f"llama-guard {__version__}"
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from .versions import version_text
+
+        print(version_text())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Make pooled HTTP clients (httpx, httpx2, aiohttp, requests and urllib3) safe against llama.cpp's "
         "llama-server.",
     )
-    parser.add_argument("--version", action="version", version=_version(), help="print the version and exit")
+    parser.add_argument(
+        "--version",
+        action=_VersionAction,
+        help="print the version, and each HTTP library's the guard covers (tested or not), and exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add, _ in COMMANDS.values():
         add(commands)
