@@ -278,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version",
         action=_VersionAction,
-        help="print the version, and each HTTP library's the guard covers (tested or not), and exit",
+        help="print the version, and the version of each HTTP library the guard covers (tested or not), and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add, _ in COMMANDS.values():
