@@ -18,16 +18,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import itertools
 import sys
 import tempfile
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from _common import machine, rotated, table
 
+from llama_guard._cli.load import ClientErrors, LoadRow, proxy_load
 from llama_guard.testing import RealLlamaServer, find_llama_server, write_tiny_model
 
 VARIANTS = ("plain", "guard")
@@ -41,34 +40,26 @@ def run_load(library: str, variant: str, model: Path, binary: Path, requests: in
     if variant == "guard":
         guard: Any = importlib.import_module("llama_guard" if library == "httpx" else "llama_guard.httpx2")
         transport = guard.GuardTransport(inner, policy=guard.GuardPolicy(connection="reuse"))
-    errors: Counter[str] = Counter()
-    lock = threading.Lock()
-    counter = itertools.count()
+    row = LoadRow(scenario="proxy-like", client=f"{variant} {library}")
     with (
         RealLlamaServer(model, binary=binary) as server,
         lib.Client(transport=transport, base_url=server.url, timeout=30.0) as client,
     ):
+        proxy_load(
+            client,
+            row,
+            requests=requests,
+            workers=16,
+            path="/v1/chat/completions",
+            body_for=_body,
+            errors=ClientErrors(lib.HTTPError, lib.TimeoutException),
+        )
+    return Counter(row.error_kinds)
 
-        def worker() -> None:
-            while (index := next(counter)) < requests:
-                body = {"messages": [{"role": "user", "content": f"r {index}"}], "max_tokens": 4}
-                body["stream"] = index % 2 == 1
-                try:
-                    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                        response.read()
-                    kind = None if response.status_code == 200 else f"HTTP {response.status_code}"
-                except lib.HTTPError as exc:
-                    kind = f"{type(exc).__name__}: {str(exc)[:60]}"
-                if kind is not None:
-                    with lock:
-                        errors[kind] += 1
 
-        threads = [threading.Thread(target=worker) for _ in range(16)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    return errors
+def _body(index: int) -> dict[str, object]:
+    """Every other request streamed, 4 tokens each."""
+    return {"messages": [{"role": "user", "content": f"r {index}"}], "max_tokens": 4, "stream": index % 2 == 1}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -315,3 +315,29 @@ def test_a_request_without_an_answer_is_counted_as_stuck_not_waited_out_silently
     waiting = "waiting for the last 1 in flight (no answer within 1 s counts as stuck)"
     assert any(line.endswith(waiting) for line in lines), lines
     assert lines[-1].split(": ", 1)[1] == f"20 of 20 requests, {row.counts()}" == "20 of 20 requests, 0 lost, 1 stuck"
+
+
+def test_the_load_counts_another_librarys_errors_as_lost_when_given_them() -> None:
+    """The load on an httpx2 client (``benchmarks/client_versions.py``): a request reset after its headers raises
+    httpx2's error, not httpx's; with httpx2's error classes given it is one request lost, by its kind, and the load
+    goes on. Fails when the load catches httpx's classes only (the error then ends a worker's thread)."""
+    httpx2 = pytest.importorskip("httpx2")
+    from llama_guard._cli.load import ClientErrors
+
+    row = LoadRow("pooled load", "plain httpx2")
+    with LlamaServerEmulator() as server, httpx2.Client(base_url=server.url, timeout=10.0) as client:
+        rule = server.inject(Fault.RESET_AFTER_HEADERS, path="/v1/chat/completions")
+        body = {"messages": [], "max_tokens": 2, "stream": False}
+        proxy_load(
+            client,
+            row,
+            requests=6,
+            workers=1,
+            path="/v1/chat/completions",
+            body_for=lambda _: body,
+            errors=ClientErrors(httpx2.HTTPError, httpx2.TimeoutException),
+        )
+    assert rule.triggered == 1
+    assert (row.requests, row.errors, row.answered) == (6, 1, 5)
+    [kind] = row.error_kinds
+    assert kind.split(":")[0] in {name for name in dir(httpx2) if name.endswith("Error")}, kind

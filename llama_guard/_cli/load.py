@@ -13,11 +13,20 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, NamedTuple, TextIO
 
 import httpx
 
-__all__ = ["PROGRESS_EVERY", "LoadRow", "join_stragglers", "proxy_load", "run_threads", "send_one"]
+__all__ = [
+    "HTTPX_ERRORS",
+    "PROGRESS_EVERY",
+    "ClientErrors",
+    "LoadRow",
+    "join_stragglers",
+    "proxy_load",
+    "run_threads",
+    "send_one",
+]
 
 #: The word for a request that failed with an error (the server closed its connection, an error status, ...).
 LOST = "lost"
@@ -96,8 +105,21 @@ class LoadRow:
         return max(self.first_bytes) if self.first_bytes else 0.0
 
 
+class ClientErrors(NamedTuple):
+    """The error classes of the client library a load runs on: httpx's by default; httpx2's (the same names, classes
+    of their own) for ``benchmarks/client_versions.py``."""
+
+    #: What a failed request raises (``httpx.HTTPError``).
+    failed: type[Exception]
+    #: The part of it that is a timeout (``httpx.TimeoutException``): stuck rather than lost, with ``stuck_after``.
+    timed_out: type[Exception]
+
+
+HTTPX_ERRORS = ClientErrors(httpx.HTTPError, httpx.TimeoutException)
+
+
 def send_one(
-    client: httpx.Client,
+    client: httpx.Client | Any,
     path: str,
     body: dict[str, object],
     row: LoadRow,
@@ -105,10 +127,12 @@ def send_one(
     timeout: float | None = None,
     origin: float | None = None,
     stuck_after: float | None = None,
+    errors: ClientErrors = HTTPX_ERRORS,
 ) -> bool:
     """One request, read to its end; recorded in ``row``. True when it was answered with 200. With
-    ``stuck_after``, a request with no answer within that many seconds (httpx's timeouts, each) is given up and
-    recorded as stuck rather than waited out for the client's own timeout."""
+    ``stuck_after``, a request with no answer within that many seconds (the client's timeouts, each) is given up and
+    recorded as stuck rather than waited out for the client's own timeout. ``client`` is an httpx client, or one of
+    another library with httpx's API whose ``errors`` are given."""
     started = time.monotonic()
     at = started - origin if origin is not None else 0.0
     stream = body.get("stream") is True
@@ -120,8 +144,8 @@ def send_one(
         with client.stream("POST", path, json=body, timeout=request_timeout) as response:
             first_byte = time.monotonic() - started
             response.read()
-    except httpx.HTTPError as exc:
-        if stuck_after is not None and isinstance(exc, httpx.TimeoutException):
+    except errors.failed as exc:
+        if stuck_after is not None and isinstance(exc, errors.timed_out):
             row.record_stuck(at=at, stream=stream)
             return False
         # The message tells causes apart that share a type: "Server disconnected" (a connection the server
@@ -135,7 +159,7 @@ def send_one(
 
 
 def proxy_load(
-    client: httpx.Client,
+    client: httpx.Client | Any,
     row: LoadRow,
     *,
     requests: int,
@@ -146,12 +170,14 @@ def proxy_load(
     progress: TextIO | None = None,
     stuck_after: float | None = None,
     every: float | None = None,
+    errors: ClientErrors = HTTPX_ERRORS,
 ) -> None:
     """``requests`` requests from ``workers`` threads sharing ``client``; no new request after ``deadline``
     (a time.monotonic() value), so a slow server cannot stretch the load without bound; with ``stuck_after``, a
     request with no answer within that many seconds is counted as stuck, not waited out. With ``progress``, a
     line there every few seconds (``every``): how many finished, lost and stuck so far, and what is waited for;
-    and a last line when the load is done, whose figures are the row's."""
+    and a last line when the load is done, whose figures are the row's. ``client`` and ``errors`` as for
+    `send_one`."""
     counter = itertools.count()
     origin = time.monotonic()
     stop = threading.Event()
@@ -162,7 +188,7 @@ def proxy_load(
         while not stop.is_set() and (index := next(counter)) < requests:
             if deadline is not None and time.monotonic() >= deadline:
                 return
-            send_one(client, path, body_for(index), row, origin=origin, stuck_after=stuck_after)
+            send_one(client, path, body_for(index), row, origin=origin, stuck_after=stuck_after, errors=errors)
 
     def line(prefix: str) -> str:
         with row.lock:
