@@ -129,10 +129,16 @@ print("child: all guarded")
 """
 
 
-def run_command(url: str) -> None:
-    """``llama-guard run``: the console script next to this Python, with the child Python under it."""
+def console_script() -> Path:
+    """The ``llama-guard`` console script next to this Python: the one the installed package brings."""
     script = Path(sys.executable).with_name("llama-guard")
     check(script.exists(), f"the console script {script} is missing: is the package installed in this venv?")
+    return script
+
+
+def run_command(url: str) -> None:
+    """``llama-guard run``: the console script, with the child Python under it."""
+    script = console_script()
     env = {key: value for key, value in os.environ.items() if key != "LLAMA_GUARD_ORIGINS"}
     command = [str(script), "run", "--origins", url, "--", sys.executable, "-c", CHILD.format(url=url, n=REQUESTS)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False)
@@ -144,8 +150,7 @@ def run_command(url: str) -> None:
 
 def version_names_the_missing_extras() -> None:
     """``llama-guard --version`` works without the extras, and says how to install each library they bring."""
-    script = Path(sys.executable).with_name("llama-guard")
-    done = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run([str(console_script()), "--version"], capture_output=True, text=True, timeout=60, check=False)
     check(done.returncode == 0, f"llama-guard --version exited {done.returncode}; stderr: {done.stderr[-2000:]!r}")
     for extra, module in EXTRAS.items():
         library = "urllib3" if extra == "requests" else module  # the requests extra's line is urllib3's (its pools)
