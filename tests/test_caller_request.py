@@ -16,6 +16,8 @@ import pytest
 import llama_guard
 from llama_guard.testing import Fault, LlamaServerEmulator, free_port
 
+from ._recording_server import RecordingServer
+
 CHAT = "/v1/chat/completions"
 
 
@@ -107,3 +109,48 @@ def test_a_failed_async_request_is_given_back_unchanged() -> None:
 
     anyio.run(send)
     _assert_given_back(checking.seen)
+
+
+CALLER_HEADERS = [
+    [],
+    [("Connection", "keep-alive")],
+    [("X-Before", "1"), ("connection", "Keep-Alive"), ("X-After", "2"), ("CONNECTION", "upgrade")],
+]
+
+
+@pytest.mark.parametrize("caller", CALLER_HEADERS, ids=["httpx default", "keep-alive", "three, mixed case"])
+def test_the_close_strategy_sends_exactly_one_connection_close_header(caller: list[tuple[str, str]]) -> None:
+    """The close strategy (the default on loopback) lends each attempt ``Connection: close``: on the wire there is
+    exactly one Connection header, ``close``, whatever the caller set (its own, or httpx's default ``keep-alive``,
+    replaced, not repeated), and the caller's other headers go out in their order. Fails when the header is appended
+    beside the caller's."""
+    server = RecordingServer()
+    try:
+        with httpx.Client(transport=llama_guard.GuardTransport()) as client:
+            response = client.post(server.url + CHAT, json={"messages": [], "max_tokens": 2}, headers=caller)
+        assert response.extensions["llama_guard"].connection == "close"
+        [head] = [raw.split(b"\r\n\r\n")[0] for raw in server.received]
+    finally:
+        server.close()
+    lines = [line.decode() for line in head.split(b"\r\n")[1:]]
+    assert [line for line in lines if line.lower().startswith("connection:")] == ["Connection: close"], lines
+    own = [f"{name}: {value}" for name, value in caller if name.lower() != "connection"]
+    assert [line for line in lines if line in own] == own
+
+
+@pytest.mark.parametrize("caller", CALLER_HEADERS, ids=["httpx default", "keep-alive", "three, mixed case"])
+def test_the_fast_close_headers_equal_httpx_own_way(caller: list[tuple[str, str]]) -> None:
+    """The tested versions' way of lending ``Connection: close`` (httpx's header triples) gives the headers the
+    public API gives (the untested versions' way), and leaves the caller's request as it was."""
+    from llama_guard._httpx import internals
+
+    for request in (
+        httpx.Request("POST", "http://127.0.0.1:1/v1/chat/completions", headers=caller),  # no Connection of httpx's
+        httpx.Client().build_request("POST", "http://127.0.0.1:1/v1/chat/completions", headers=caller),
+    ):
+        before = list(request.headers.raw)
+        fast = internals.close_headers(True)(request)
+        public = internals.close_headers(False)(request)
+        assert fast.raw == public.raw
+        assert fast is not request.headers
+        assert list(request.headers.raw) == before

@@ -19,7 +19,7 @@ from .._core.log import without_quoted_values
 from .._core.request_machine import Fail, Failed
 from .exceptions import FirstByteTimeout, failure_kind, guarded_error
 
-__all__ = ["AttemptBody", "caller_error", "connection_close_headers", "judged_failure"]
+__all__ = ["AttemptBody", "caller_error", "judged_failure"]
 
 
 class AttemptBody(httpx.SyncByteStream, httpx.AsyncByteStream):
@@ -83,15 +83,6 @@ class _OneChunk:
             raise StopAsyncIteration
         content, self._content = self._content, None
         return content
-
-
-def connection_close_headers(request: httpx.Request) -> httpx.Headers:
-    """``request``'s headers with ``Connection: close``, as new headers that an attempt lends the request (the
-    caller's own are never changed, and are given back after the attempt). Cheaper than a copy of the request: no URL
-    or stream handling, and no encoding worked out (the headers' ``copy()`` decodes every value to find one)."""
-    headers = httpx.Headers(request.headers)
-    headers["Connection"] = "close"
-    return headers
 
 
 def judged_failure(plan: RequestPlan, exc: Exception) -> tuple[Failed, Exception]:

@@ -18,6 +18,7 @@ versions.
 from __future__ import annotations
 
 import contextlib
+import operator
 import types
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "check_versions",
     "client_layout_problem",
     "client_transports",
+    "close_headers",
     "fix_pool_race",
     "network_backend",
     "bypassing_mounts",
@@ -235,6 +237,42 @@ def _request_parts(request: Any) -> tuple[str, str, int | None, bytes | None]:
 def request_parts(tested: bool) -> Callable[[Any], tuple[str, str, int | None, bytes | None]]:
     """How the transport reads a request's URL parts and in-memory body: the fast way on tested versions."""
     return _request_parts_fast if tested else _request_parts
+
+
+def _connection_close_headers(request: Any) -> httpx.Headers:
+    """``request``'s headers with ``Connection: close``, as new headers that an attempt lends the request (the
+    caller's own are never changed, and are given back after the attempt). Cheaper than a copy of the request: no URL
+    or stream handling, and no encoding worked out (the headers' ``copy()`` decodes every value to find one)."""
+    headers = httpx.Headers(request.headers)
+    headers["Connection"] = "close"
+    return headers
+
+
+_CONNECTION_CLOSE = (b"Connection", b"connection", b"close")
+_LOWER_NAME = operator.itemgetter(1)
+
+
+def _connection_close_headers_fast(request: Any) -> httpx.Headers:
+    """`_connection_close_headers` over httpx's (raw name, lower-case name, value) triples, the lookups in C: the
+    caller's one Connection header (an httpx client sends ``keep-alive`` by default) replaced in place, or the header
+    appended. A new connection per request is the default on loopback, so this runs for most local requests; the
+    public way costs about 1.5 µs more."""
+    headers = httpx.Headers(request.headers)  # copies the triples
+    items = headers._list
+    names = list(map(_LOWER_NAME, items))
+    found = names.count(b"connection")
+    if found == 0:
+        items.append(_CONNECTION_CLOSE)
+    elif found == 1:
+        items[names.index(b"connection")] = _CONNECTION_CLOSE
+    else:  # several: httpx's own way keeps the first one's place and drops the others
+        headers["Connection"] = "close"
+    return headers
+
+
+def close_headers(tested: bool) -> Callable[[Any], httpx.Headers]:
+    """How the transport lends a request ``Connection: close``: the fast way on tested versions."""
+    return _connection_close_headers_fast if tested else _connection_close_headers
 
 
 def streaming_check(tested: bool) -> Callable[[Any], bool]:

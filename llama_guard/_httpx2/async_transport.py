@@ -39,11 +39,12 @@ from .._core.wrapped_transports import mark_wrapped_by_a_guard
 from .._drive.async_drive import advance_connection, drive_request
 from .._runtime import PROCESS
 from .async_connections import AsyncStreamIO, negotiated_http2, track_connections
-from .attempts import AttemptBody, caller_error, connection_close_headers, judged_failure
+from .attempts import AttemptBody, caller_error, judged_failure
 from .internals import (
     bypassing_mounts,
     cap_keepalive_expiry,
     check_versions,
+    close_headers,
     fix_pool_race,
     hookable_pool,
     http_versions,
@@ -129,6 +130,7 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         self._http1, self._http2 = http_versions(self._transport)
         self._is_streaming = streaming_check(untested is None)
         self._request_parts = request_parts(untested is None)
+        self._close_headers = close_headers(untested is None)
         self._every_origin = self._guard.origins.every_origin  # read for every request: a plain attribute
         # On the trace path: whether the wrapped transport reports httpcore's trace events at all, learnt from
         # its first answer (None until then). One that does not (aiohttp below, a mock) cannot be probed through.
@@ -211,7 +213,7 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
         if self._LENDS_BODY and plan.body:
             request.stream = AttemptBody(plan.body, None)
         if plan.close_connection:
-            request.headers = connection_close_headers(request)
+            request.headers = self._close_headers(request)
         token = CURRENT_PLAN.set(plan)  # for the hook on the pool's new connections (async_connections.py)
         try:
             response = await self._transport.handle_async_request(request)
@@ -345,7 +347,7 @@ class _AsyncAttempts:
         request.extensions = extensions
         body = request.stream = AttemptBody(plan.body, self._caller_stream)
         if send.close_connection:
-            request.headers = connection_close_headers(request)
+            request.headers = transport._close_headers(request)
         token = CURRENT_PLAN.set(plan)
         try:
             response = await transport.transport.handle_async_request(request)
