@@ -63,7 +63,7 @@ Usage::
     python benchmarks/overhead.py                       # 1,200 blocks of 20 requests per variant and client kind
     python benchmarks/overhead.py --only aiohttp        # one client kind alone (sync, asyncio, aiohttp, requests)
     python benchmarks/overhead.py --blocks 3000 --profile
-    python benchmarks/overhead.py --instructions        # the repeatable counts alone (about 4 minutes)
+    python benchmarks/overhead.py --instructions        # the repeatable counts alone (about 5 minutes)
     python benchmarks/overhead.py --large-bodies-only   # the large-body rows alone (about a minute)
 """
 
