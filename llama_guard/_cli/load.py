@@ -12,8 +12,9 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TextIO
+from typing import Any, NamedTuple, Protocol, TextIO
 
 import httpx
 
@@ -21,6 +22,8 @@ __all__ = [
     "HTTPX_ERRORS",
     "PROGRESS_EVERY",
     "ClientErrors",
+    "LoadClient",
+    "LoadResponse",
     "LoadRow",
     "join_stragglers",
     "proxy_load",
@@ -118,8 +121,29 @@ class ClientErrors(NamedTuple):
 HTTPX_ERRORS = ClientErrors(httpx.HTTPError, httpx.TimeoutException)
 
 
+class LoadResponse(Protocol):
+    """What a load reads of a response: its status, and its body to the end."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    def read(self) -> bytes: ...
+
+
+class LoadClient(Protocol):
+    """What a load needs of its client: ``httpx.Client``'s default ``timeout`` and ``stream()``, which httpx2's
+    client has too."""
+
+    @property
+    def timeout(self) -> Any: ...
+
+    def stream(
+        self, method: str, url: str, *, json: Any = ..., timeout: Any = ...
+    ) -> AbstractContextManager[LoadResponse]: ...
+
+
 def send_one(
-    client: httpx.Client | Any,
+    client: LoadClient,
     path: str,
     body: dict[str, object],
     row: LoadRow,
@@ -132,7 +156,7 @@ def send_one(
     """One request, read to its end; recorded in ``row``. True when it was answered with 200. With
     ``stuck_after``, a request with no answer within that many seconds (the client's timeouts, each) is given up and
     recorded as stuck rather than waited out for the client's own timeout. ``client`` is an httpx client, or one of
-    another library with httpx's API whose ``errors`` are given."""
+    another library with httpx's API (`LoadClient`) whose ``errors`` are given."""
     started = time.monotonic()
     at = started - origin if origin is not None else 0.0
     stream = body.get("stream") is True
@@ -159,7 +183,7 @@ def send_one(
 
 
 def proxy_load(
-    client: httpx.Client | Any,
+    client: LoadClient,
     row: LoadRow,
     *,
     requests: int,
