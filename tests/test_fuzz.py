@@ -706,6 +706,8 @@ def bodies_with_escapes(draw: st.DrawFn) -> bytes:
 @example(b'{"stream": true, "prompt": "\\\\\\ud800"}')  # a backslash, then a lone surrogate
 @example(b'{"stream": true, "prompt": "\\ud83d\\\\\\ude00"}')  # a backslash between the halves: two lone ones
 @example(b'{"stream": true, "prompt": "\\u005cud800"}')  # an escaped backslash spelt \u005c: no surrogate
+# A pair in the raw text whose high half is letters after an escaped backslash: a lone low surrogate.
+@example(b'{"stream": true, "list": ["\\\\ud800\\udc00", 1, true]}')
 @example(b'{"stream": true, "p": "\\ud800", "p": "x"}')  # the overwritten value must be valid too
 @example(b'{"stream": true, "p": "\\ud83d\\ude00", "p": "x"}')
 # More quotes (17) than the least budget of the reading from the end:

@@ -322,15 +322,20 @@ _LONE_SURROGATE_ESCAPE: Final = re.compile(
 )
 
 
+# Any surrogate escape, lone or paired: a text without one holds no lone surrogate.
+_SURROGATE_ESCAPE: Final = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _has_lone_surrogate_escape(text: str) -> bool:
     """Whether the JSON text holds an escaped lone surrogate.
 
-    In ``\\\\ud800`` the first backslash escapes the second: a backslash and the letters ``ud800``. A search of the
-    raw text can only over-report (such a backslash), never miss, so it answers most bodies alone; a match is
-    confirmed after escaped backslashes are replaced, left to right as a JSON reader pairs them, by a character
-    that cannot join its neighbours into an escape.
+    In ``\\\\ud800`` the first backslash escapes the second: a backslash and the letters ``ud800``. So the raw text
+    is searched only for any surrogate escape, which answers most bodies alone; where there is one, lone ones are
+    searched for after escaped backslashes are replaced, left to right as a JSON reader pairs them, by a character
+    that cannot join its neighbours into an escape. (A search of the raw text for lone ones can miss one: in
+    ``\\\\ud800\\udc00`` the low half looks paired, but its high half is letters after an escaped backslash.)
     """
-    if _LONE_SURROGATE_ESCAPE.search(text) is None:
+    if _SURROGATE_ESCAPE.search(text) is None:
         return False
     return _LONE_SURROGATE_ESCAPE.search(text.replace("\\\\", "#")) is not None
 
