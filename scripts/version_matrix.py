@@ -3,7 +3,7 @@
 
 The guard reaches into httpcore's and httpcore2's internals (behind one version gate), so the versions the pins admit
 must be the versions it was tested with. Each row gets a fresh virtual environment under ``.matrix/``, the project
-installed with its ``test`` extra and the row's exact versions, and runs ``pytest -m "not slow and not
+installed with its ``test`` extra and the row's exact versions, and runs ``pytest -n 4 -m "not slow and not
 real_server"`` with ``LLAMA_GUARD_PARTIAL_DEPS=1``: a test module that needs a package the row lacks (httpx2 on
 Python 3.10, the frameworks) is not collected, and pytest's summary names it. httpx2 needs Python 3.11, so its
 lowest version has a row of its own, which runs only the tests named for httpx2.
@@ -31,6 +31,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST_CORE = "not slow and not real_server"
+# Workers, as the README's fast-core command: its tests wait on sockets and deadlines far more than they compute.
+WORKERS = "4"
 
 
 @dataclass(frozen=True)
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"version matrix: {row.name}: {versions(python)}", flush=True)
         selection = [] if row.select is None else ["-k", row.select]
         code = run(
-            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", FAST_CORE, *selection],
+            [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", WORKERS, "-m", FAST_CORE, *selection],
             env={**os.environ, "LLAMA_GUARD_PARTIAL_DEPS": "1"},
         )
         took = time.monotonic() - started
