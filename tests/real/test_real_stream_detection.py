@@ -20,40 +20,43 @@ from ._raw_http import CHAT
 
 pytestmark = pytest.mark.real_server
 
-# A one-token completion; each case adds its members (as raw JSON text) after these.
-HEAD = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, '
+
+def chat(members: str) -> bytes:
+    """A one-token chat completion with ``members`` (raw JSON text) after its messages."""
+    return ('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, ' + members + "}").encode()
+
 
 # (what the case is, the body, whether llama-server streams its answer)
 CASES: list[tuple[str, bytes, bool]] = [
-    ("stream true", (HEAD + '"stream": true}').encode(), True),
-    ("stream false", (HEAD + '"stream": false}').encode(), False),
-    ("no stream member", (HEAD + '"temperature": 0}').encode(), False),
-    ("the key spelt with an escape", (HEAD + '"str\\u0065am": true}').encode(), True),
-    ("repeated key, the last false", (HEAD + '"stream": true, "stream": false}').encode(), False),
-    ("repeated key, the last true", (HEAD + '"stream": false, "stream": true}').encode(), True),
-    ("a UTF-8 byte order mark first", codecs.BOM_UTF8 + (HEAD + '"stream": true}').encode(), True),
-    ("the number 1, not a boolean", (HEAD + '"stream": 1}').encode(), False),
-    ("the string true", (HEAD + '"stream": "true"}').encode(), False),
-    ("stream true nested only", (HEAD + '"options": {"stream": true}}').encode(), False),
-    ("a surrogate pair", (HEAD + '"x": "\\ud83d\\ude00", "stream": true}').encode(), True),
-    ("a lone high surrogate", (HEAD + '"x": "\\ud800", "stream": true}').encode(), False),
-    ("a lone low surrogate", (HEAD + '"x": "\\udc00", "stream": true}').encode(), False),
-    ("an escaped backslash, then the letters ud800", (HEAD + '"x": "\\\\ud800", "stream": true}').encode(), True),
-    ("an escaped backslash, then a lone surrogate", (HEAD + '"x": "\\\\\\ud800", "stream": true}').encode(), False),
+    ("stream true", chat('"stream": true'), True),
+    ("stream false", chat('"stream": false'), False),
+    ("no stream member", chat('"temperature": 0'), False),
+    ("the key spelt with an escape", chat('"str\\u0065am": true'), True),
+    ("repeated key, the last false", chat('"stream": true, "stream": false'), False),
+    ("repeated key, the last true", chat('"stream": false, "stream": true'), True),
+    ("a UTF-8 byte order mark first", codecs.BOM_UTF8 + chat('"stream": true'), True),
+    ("the number 1, not a boolean", chat('"stream": 1'), False),
+    ("the string true", chat('"stream": "true"'), False),
+    ("stream true nested only", chat('"options": {"stream": true}'), False),
+    ("a surrogate pair", chat('"x": "\\ud83d\\ude00", "stream": true'), True),
+    ("a lone high surrogate", chat('"x": "\\ud800", "stream": true'), False),
+    ("a lone low surrogate", chat('"x": "\\udc00", "stream": true'), False),
+    ("an escaped backslash, then the letters ud800", chat('"x": "\\\\ud800", "stream": true'), True),
+    ("an escaped backslash, then a lone surrogate", chat('"x": "\\\\\\ud800", "stream": true'), False),
     # A find of the fuzz test: the raw text holds a pair, but its high half is letters after an escaped backslash.
     (
         "letters ud800 after an escaped backslash, then a low half",
-        (HEAD + '"x": "\\\\ud800\\udc00", "stream": true}').encode(),
+        chat('"x": "\\\\ud800\\udc00", "stream": true'),
         False,
     ),
     (
         "a lone surrogate in a value a repeated key overwrites",
-        (HEAD + '"x": "\\ud800", "x": "y", "stream": true}').encode(),
+        chat('"x": "\\ud800", "x": "y", "stream": true'),
         False,
     ),
-    ("NaN", (HEAD + '"x": NaN, "stream": true}').encode(), False),
-    ("a number beyond a double", (HEAD + '"x": 1e400, "stream": true}').encode(), False),
-    ("not JSON after the stream member", (HEAD + '"stream": true,}').encode(), False),
+    ("NaN", chat('"x": NaN, "stream": true'), False),
+    ("a number beyond a double", chat('"x": 1e400, "stream": true'), False),
+    ("not JSON after the stream member", chat('"stream": true,'), False),
 ]
 
 
@@ -72,8 +75,9 @@ def test_the_guard_reads_as_a_stream_what_llama_server_streams(real_server) -> N
                 wrong.append(
                     f"{what}: llama-server {'streamed' if streamed else 'did not stream'}, not as the case says"
                 )
-            if wants_stream(body) is not streamed:
-                wrong.append(f"{what}: the guard reads {wants_stream(body)}, llama-server streamed: {streamed}")
+            read = wants_stream(body)
+            if read is not streamed:
+                wrong.append(f"{what}: the guard reads {read}, llama-server streamed: {streamed}")
     # Each case's own answer from the server is checked too: a server that refused every body (a changed chat API)
     # fails here, rather than passing the guard's reading of refused bodies alone.
     assert not wrong, "\n".join([*wrong, "", *seen])
