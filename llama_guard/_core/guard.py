@@ -381,7 +381,8 @@ class RequestPlan:
         if not connection.final:
             self.teach(request=first_byte)
         closes = self.close_connection
-        # A stream's connection closed by the header (stats.stream_connections_closed); the close strategy's are not.
+        # Counted in stats.stream_connections_closed: a stream's connection closed by the header, whichever put it on
+        # (the close strategy or stream_mode='close'); the close strategy's other requests are not.
         self.stats.record_request(1, first_byte, closes and self.stream)
         # Positionally, in GuardResult's field order (attempts, reconnects, first_byte_seconds, stream,
         # connection_closed, history, connection): once per request, and keywords cost about 300 ns more.

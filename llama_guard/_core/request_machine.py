@@ -550,7 +550,8 @@ class RequestMachine:
         """The guard's account for the response, which has just been handed its headers."""
         plan = self.plan
         self.first_byte = first_byte = time.monotonic() - plan.started
-        # A stream's connection closed by the header (stats.stream_connections_closed); the close strategy's are not.
+        # Counted in stats.stream_connections_closed: a stream's connection closed by the header, whichever put it on
+        # (the close strategy or stream_mode='close'); the close strategy's other requests are not.
         self.closed_by_header = plan.close_connection and plan.stream
         connection = plan.connection
         if not connection.final:
