@@ -1,4 +1,4 @@
-"""llama_guard for aiohttp (``pip install llama-guard[aiohttp]``, aiohttp >= 3.12)::
+"""llama_guard for aiohttp (``pip install llama-guard[aiohttp]``: aiohttp 3.12.4 to 3.14)::
 
     from llama_guard.aiohttp import guarded_session, guard_of, guard_result
 
@@ -19,6 +19,11 @@ try:
     import aiohttp as _aiohttp  # noqa: F401
 except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environment (scripts/smoke_no_extras.py)
     missing_extra(exc, feature="llama_guard.aiohttp", extra="aiohttp", modules=("aiohttp",))
+
+from ._aiohttp.internals import unsupported_version
+
+if unsupported_version() is not None:
+    raise ImportError(f"llama_guard.aiohttp: {unsupported_version()}")
 
 from . import _public
 from ._aiohttp.connector import GuardConnector

@@ -58,7 +58,7 @@ ROWS = (
             "anyio==4.16.0",
             "tenacity==8.3.0",
             "wrapt==2.5.0",
-            "aiohttp==3.12.15",
+            "aiohttp==3.12.4",
             "requests==2.31.0",
             "urllib3==2.0.7",
         ),

@@ -9,9 +9,11 @@ connections probed and replaced), nothing run twice (server-side counts), the ve
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import subprocess
 import sys
+import textwrap
 import typing
 from collections.abc import Iterator
 
@@ -192,6 +194,43 @@ def test_untested_aiohttp_version_warns_and_keeps_streams_safe(
     assert snap.public_path is not None
     assert "3.99.0" in snap.public_path
     assert snap.stream_connections_closed == 10  # by header: the public way
+
+
+def test_an_aiohttp_the_guard_cannot_run_on_is_refused_by_name() -> None:
+    """aiohttp 3.12.0 has client middlewares but no ``Payload.as_bytes()``, which even the public path needs to read a
+    body: such an aiohttp is refused at import, by name, and install() leaves its sessions alone saying why (rather
+    than failing every request with a body). Checked in a fresh interpreter whose aiohttp lacks the method."""
+    script = textwrap.dedent(
+        """
+        import json, logging
+        import aiohttp, aiohttp.payload
+        del aiohttp.payload.Payload.as_bytes
+        aiohttp.__version__ = "3.12.0"
+        said = []
+
+        class Said(logging.Handler):
+            def emit(self, record):
+                said.append(record.getMessage())
+
+        logging.getLogger("llama_guard").addHandler(Said())
+        import llama_guard
+        installation = llama_guard.install(origins=["http://127.0.0.1:9"])
+        wrapped = not isinstance(aiohttp.ClientSession.__dict__["_request"], type(lambda: None))
+        llama_guard.uninstall()
+        try:
+            import llama_guard.aiohttp
+        except ImportError as exc:
+            print(json.dumps({"error": str(exc), "said": said, "wrapped": wrapped}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    outcome = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outcome["error"].startswith("llama_guard.aiohttp: the guard needs aiohttp's client middlewares and ")
+    assert "Payload.as_bytes()" in outcome["error"]
+    assert "this is aiohttp 3.12.0 (pip install 'aiohttp>=3.12.4,<3.15')" in outcome["error"]
+    assert outcome["wrapped"] is False
+    assert any("aiohttp 3.12.0" in message and "Payload.as_bytes()" in message for message in outcome["said"])
 
 
 @STRATEGIES

@@ -31,11 +31,20 @@ __all__ = [
     "session_middlewares",
     "set_session_middlewares",
     "unhook_new_connections",
+    "unsupported_version",
     "untested_version",
 ]
 
-# The versions whose private attributes used here were read and run against (the guard's aiohttp tests).
-TESTED_VERSIONS: frozenset[str] = frozenset({"3.12.15", "3.13.5", "3.14.5"})
+# The versions whose private attributes used here were read and run against (the guard's aiohttp tests): every
+# release on PyPI from 3.12.4 to 3.14.5 (there is no 3.12.5). 3.12.2 and 3.12.3 have no ``ResponseHandler.closed``,
+# and 3.12.0 no ``Payload.as_bytes()`` either, which the public path needs too: the pin starts at 3.12.4.
+TESTED_VERSIONS: frozenset[str] = frozenset(
+    {
+        *("3.12.4", "3.12.6", "3.12.7", "3.12.8", "3.12.9", "3.12.10", "3.12.11", "3.12.12", "3.12.13", "3.12.14"),
+        *("3.12.15", "3.13.0", "3.13.1", "3.13.2", "3.13.3", "3.13.4", "3.13.5"),
+        *("3.14.0", "3.14.1", "3.14.2", "3.14.3", "3.14.4", "3.14.5"),
+    }
+)
 
 
 # Where install() hooks every session, those created before it included: wrap this method at class level (wrapt:
@@ -44,18 +53,40 @@ TESTED_VERSIONS: frozenset[str] = frozenset({"3.12.15", "3.13.5", "3.14.5"})
 SESSION_REQUEST_METHOD = ("aiohttp.client", "ClientSession._request")
 
 
+def unsupported_version() -> str | None:
+    """Why the guard cannot run on the imported aiohttp at all, not even on its public API, or None. It needs client
+    middlewares (aiohttp 3.12) and ``Payload.as_bytes()`` to read a request's body (3.12.2): asked of aiohttp itself,
+    not of its version number."""
+    if hasattr(aiohttp, "ClientMiddlewareType") and hasattr(aiohttp.payload.Payload, "as_bytes"):
+        return None
+    return (
+        f"the guard needs aiohttp's client middlewares and Payload.as_bytes() (aiohttp 3.12.2 or later), and this is "
+        f"aiohttp {aiohttp.__version__} (pip install 'aiohttp>=3.12.4,<3.15')"
+    )
+
+
 def untested_version() -> str | None:
-    """None when the imported aiohttp is a version in `TESTED_VERSIONS`; else why not, naming it.
+    """None when the imported aiohttp is a version in `TESTED_VERSIONS`; else why not, naming it
+    (`unsupported_version()` first).
 
     Read from ``aiohttp.__version__`` at each call, so that a test can change it."""
     version = aiohttp.__version__
     if version in TESTED_VERSIONS:
         return None
+    unsupported = unsupported_version()
+    if unsupported is not None:
+        return unsupported
     return (
-        f"aiohttp {version} is not a version llama_guard was tested with ({', '.join(sorted(TESTED_VERSIONS))}): "
+        f"aiohttp {version} is not a version llama_guard was tested with ({_tested_range()}): "
         "the guard uses public API only: new connections are not probed and stream connections are not dropped "
         "after the final chunk (retries, the first-byte deadline and Connection: close on streams stay on)"
     )
+
+
+def _tested_range() -> str:
+    """`TESTED_VERSIONS` in a few words: its lowest and highest release, and how many."""
+    ordered = sorted(TESTED_VERSIONS, key=lambda version: tuple(int(part) for part in version.split(".")))
+    return f"{ordered[0]} to {ordered[-1]}, {len(ordered)} releases"
 
 
 def check_version(warnings: WarnOnce) -> str | None:
