@@ -72,6 +72,31 @@ PARTIAL_DEPS = os.environ.get("LLAMA_GUARD_PARTIAL_DEPS") == "1"
 _NOT_COLLECTED: dict[str, str] = {}
 
 
+def _admit(releases: str) -> None:
+    """Add each ``NAME==VERSION`` of ``releases`` to its version gate's ``TESTED_VERSIONS`` for this run, so that the
+    tests run the guard's hooks on it rather than the public path: ``scripts/version_matrix.py --try`` sets
+    ``LLAMA_GUARD_ADMIT``. requests and urllib3 have no table (their gate is urllib3's major version)."""
+    for pin in releases.split():
+        name, _, version = pin.partition("==")
+        if name in ("httpx", "httpcore"):
+            from llama_guard._httpx import internals
+
+            internals.TESTED_VERSIONS[name] = internals.TESTED_VERSIONS[name] | {version}
+        elif name in ("httpx2", "httpcore2"):
+            from llama_guard._httpx2 import internals as internals2
+
+            internals2.TESTED_VERSIONS[name] = internals2.TESTED_VERSIONS[name] | {version}
+        elif name == "aiohttp":
+            import llama_guard.aiohttp
+            from llama_guard._aiohttp import internals as aiohttp_internals
+
+            admitted = aiohttp_internals.TESTED_VERSIONS | {version}
+            aiohttp_internals.TESTED_VERSIONS = llama_guard.aiohttp.TESTED_VERSIONS = admitted  # type: ignore[misc]
+
+
+_admit(os.environ.get("LLAMA_GUARD_ADMIT", ""))
+
+
 def _missing_imports(path: Path, seen: frozenset[Path] = frozenset()) -> list[str]:
     """The optional packages ``path`` imports at module level (following this suite's own relative imports) that
     are not installed."""
