@@ -91,7 +91,7 @@ def _admit(releases: str) -> None:
             from llama_guard._aiohttp import internals as aiohttp_internals
 
             admitted = aiohttp_internals.TESTED_VERSIONS | {version}
-            aiohttp_internals.TESTED_VERSIONS = llama_guard.aiohttp.TESTED_VERSIONS = admitted  # type: ignore[misc]
+            aiohttp_internals.TESTED_VERSIONS = llama_guard.aiohttp.TESTED_VERSIONS = admitted
 
 
 _admit(os.environ.get("LLAMA_GUARD_ADMIT", ""))
