@@ -91,10 +91,7 @@ def _tested_range() -> str:
 
 def check_version(warnings: WarnOnce) -> str | None:
     """`untested_version()`, logged once per process (``warnings``: the process's) for each untested version."""
-    reason = untested_version()
-    if reason is not None:
-        warnings.warning(reason)
-    return reason
+    return warnings.warn_if(untested_version())
 
 
 # -- new connections ---------------------------------------------------------------------------------------------

@@ -44,6 +44,12 @@ class WarnOnce:
         logger.warning("%s", message)
         return True
 
+    def warn_if(self, reason: str | None) -> str | None:
+        """Log ``reason`` once, if there is one (a version gate's answer); return it."""
+        if reason is not None:
+            self.warning(reason)
+        return reason
+
     def forget(self) -> None:
         """Say every message again once (tests)."""
         with self._lock:

@@ -109,10 +109,7 @@ def _untested(module: types.ModuleType) -> str | None:
 
 def check_versions(warnings: WarnOnce) -> str | None:
     """`untested_versions()`, logged once per process (``warnings``: the process's) for each untested version."""
-    reason = untested_versions()
-    if reason is not None:
-        warnings.warning(reason)
-    return reason
+    return warnings.warn_if(untested_versions())
 
 
 def hookable_pool(transport: Any) -> Any:
