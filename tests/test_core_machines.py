@@ -295,6 +295,10 @@ def test_a_first_attempt_sent_as_it_is_carries_on_in_its_machine() -> None:
     assert plan.machine() is machine
 
 
+NOW = {"retry-after": "0"}
+LATER = {"retry-after": "2"}
+
+
 @pytest.mark.parametrize(
     ("policy", "outcomes", "delays"),
     [
@@ -302,6 +306,11 @@ def test_a_first_attempt_sent_as_it_is_carries_on_in_its_machine() -> None:
         pytest.param(GuardPolicy(max_attempts=3), [(429, {"retry-after": "1"})] * 3, [1.0, 1.0], id="429-then-stop"),
         pytest.param(GuardPolicy(max_attempts=3), [(429, {"retry-after": "2"}), (200, {})], [2.0], id="429-then-ok"),
         pytest.param(REUSE, [(404, {})], [], id="not-retried-status"),
+        # A 503 that keeps saying "now": the first retry at once, the next ones at most every STATUS_BACKOFF (0.5 s).
+        pytest.param(GuardPolicy(), [*[(503, NOW)] * 3, (200, {})], [0.0, 0.5, 0.5], id="503-now-floored"),
+        pytest.param(GuardPolicy(), [(503, LATER), (503, LATER), (200, {})], [2.0, 2.0], id="503-later-as-said"),
+        pytest.param(GuardPolicy(), [(503, NOW), (200, {})], [0.0], id="503-once-at-once"),
+        pytest.param(GuardPolicy(max_attempts=4), [(429, NOW)] * 4, [0.0] * 3, id="429-not-loading"),
         pytest.param(GuardPolicy(max_attempts=2), [FailureKind.CONNECT] * 2, ["backoff"], id="connect-errors"),
         pytest.param(GuardPolicy(max_attempts=1), [FailureKind.CONNECT], [], id="one-attempt-allowed"),
     ],

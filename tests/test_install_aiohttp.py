@@ -150,11 +150,23 @@ def test_other_origins_bytes_unchanged() -> None:
 def test_an_untested_aiohttp_is_left_alone_and_said_so(
     racy_server: LlamaServerEmulator, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """install() wraps a private aiohttp method only on the versions it was tested with; otherwise one warning."""
+    """install() wraps a private aiohttp method only on the versions it was tested with; otherwise one warning that
+    says install() leaves the sessions alone, and stats.unguarded says the same. The control: on this (tested)
+    aiohttp, nothing is unguarded."""
+    control = llama_guard.install(origins=[racy_server.url])
+    assert aiohttp.ClientSession.__dict__["_request"] is not ORIGINAL_REQUEST
+    assert control.stats.snapshot().unguarded == {}
+    llama_guard.uninstall()
     monkeypatch.setattr(aiohttp, "__version__", "3.99.0-install-test")
     installation = llama_guard.install(origins=[racy_server.url])
     assert aiohttp.ClientSession.__dict__["_request"] is ORIGINAL_REQUEST
-    assert any("3.99.0-install-test" in r.getMessage() for r in caplog.records if r.name == "llama_guard")
+    said = [m for r in caplog.records if r.name == "llama_guard" and "3.99.0-install-test" in (m := r.getMessage())]
+    assert len(said) == 1, said
+    assert said[0].startswith("llama_guard: install() leaves aiohttp's sessions unguarded: aiohttp 3.99.0-install-test")
+    why = installation.stats.snapshot().unguarded["aiohttp"]
+    assert "3.99.0-install-test is not a version llama_guard was tested with" in why
+    assert "guard_session(session)" in why
+    assert "unguarded=aiohttp" in repr(installation.stats)
 
     async def scenario() -> None:
         async with aiohttp.ClientSession() as session:

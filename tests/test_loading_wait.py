@@ -9,7 +9,8 @@ import time
 import pytest
 
 from llama_guard import GuardPolicy
-from llama_guard.testing import LlamaServerEmulator
+from llama_guard._core.retry_pacing import STATUS_BACKOFF
+from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import FLAVORS, close_driver, make_driver, run_scenario
 from .test_mechanisms import CHAT, chat
@@ -64,6 +65,31 @@ def test_the_loading_wait_is_bounded(flavor: str) -> None:
     assert outcome.status == 503
     assert 0.4 <= elapsed < 5.0
     assert ran == 0
+
+
+async def one_request(flavor: str, server: LlamaServerEmulator, policy: GuardPolicy) -> object:
+    driver = make_driver(flavor, guarded=True, base_url=server.url, policy=policy)
+    try:
+        await driver.request("POST", CHAT, json=chat(stream=False))
+    finally:
+        await close_driver(driver)
+    return driver
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_loading_server_saying_retry_now_is_polled_at_most_twice_a_second(flavor: str) -> None:
+    """Every answer 503 with Retry-After: 0 (a proxy in front of a loading server): the first retry goes at once, as
+    the server asks; after that one attempt per 0.5 s at most, until max_loading_wait. Without the floor, the guard
+    sent thousands of attempts in the wait (17,297 in 120 s, one request on the requests stack)."""
+    wait = 1.2
+    with LlamaServerEmulator() as server:
+        server.inject(Fault.STATUS_503, path=CHAT, count=None, retry_after=0)
+        driver = run_scenario(flavor, one_request, flavor, server, GuardPolicy(max_loading_wait=wait))
+        sent = server.stats().requests_to(CHAT)
+    (outcome,) = driver.outcomes  # type: ignore[attr-defined]
+    assert outcome.status == 503
+    # At once, then at most one per 0.5 s of the wait: slowness can only lower the count.
+    assert 2 <= outcome.result.attempts == sent <= 2 + int(wait / STATUS_BACKOFF), outcome.result
 
 
 def test_max_loading_wait_zero_returns_the_503_at_once() -> None:

@@ -427,6 +427,36 @@ def test_prometheus_and_opentelemetry_show_the_stats() -> None:
         assert sample(families, "llama_guard_first_byte_seconds_bucket", le=str(float(bound)), **labels) == cumulative
 
 
+def test_the_exporters_show_what_install_leaves_unguarded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An installation on urllib3 1.x leaves requests and urllib3 alone: both exporters say which library and why,
+    as its stats do. The control: an installation that guards everything it found has no such sample."""
+    import urllib3
+
+    llama_guard.install(origins=["http://127.0.0.1:9"])
+    try:
+        assert not scrape(PrometheusCollector())["llama_guard_unguarded_info"].samples
+        llama_guard.uninstall()
+        monkeypatch.setattr(urllib3, "__version__", "1.26.19")  # not test_requests' version: a warning is said once
+        installation = llama_guard.install(origins=["http://127.0.0.1:9"])
+        why = installation.stats.snapshot().unguarded["urllib3"]
+        families = scrape(PrometheusCollector(sources=[installation]))
+        reader = InMemoryMetricReader()
+        provider = MeterProvider(metric_readers=[reader])
+        try:
+            instrument_opentelemetry(provider, sources=[installation])
+            points = otel_points(reader)
+        finally:
+            provider.shutdown()
+    finally:
+        llama_guard.uninstall()
+    # The text format has no info type: an info family is a gauge whose name ends in _info.
+    [shown] = families["llama_guard_unguarded_info"].samples
+    assert (shown.labels, shown.value) == ({"library": "urllib3", "reason": why}, 1)
+    point = otel_value(points, "llama_guard.unguarded", **{"llama_guard.library": "urllib3"})
+    assert point.attributes["llama_guard.unguarded.reason"] == why
+    assert point.value == 1
+
+
 def test_the_first_byte_buckets_place_each_sample_below_its_bound() -> None:
     """A sample lands in the first bucket whose bound is at least it (within the guard's 2% buckets)."""
     stats = GuardStats()

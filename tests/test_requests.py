@@ -436,7 +436,35 @@ def test_an_explicit_guard_is_not_doubled_by_install(racy_server: LlamaServerEmu
 
 # -- the guard's retries and urllib3's Retry ------------------------------------------------------------------------
 
+
 #: A Retry that lets urllib3 resend everything: connect, read and status retries, every method.
+def test_a_retried_503_given_to_the_caller_reads_as_the_servers() -> None:
+    """Every answer is 503 (Retry-After: 0): the guard reads each one's short body to keep its connection, and once
+    its loading wait is over hands the caller the last one, rebuilt from the bytes read. It reads as plain requests'
+    does: status, headers, body, and the HTTP version (as a number, and as text where urllib3 has it). Two attempts:
+    the second goes at once, as Retry-After says; the third would wait 0.5 s, past max_loading_wait."""
+    with LlamaServerEmulator() as server:
+        server.inject(Fault.STATUS_503, path=CHAT, count=None, retry_after=0)
+        plain = requests.Session()
+        try:
+            expected = plain.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        finally:
+            close_session(plain)
+        session = guarded_session("adapter", server.url, GuardPolicy(max_loading_wait=0.3))
+        try:
+            response = session.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        finally:
+            close_session(session)
+    result = guard_requests.result_of(response)
+    assert result is not None
+    assert result.attempts == 2
+    assert response.status_code == expected.status_code == 503
+    assert response.content == expected.content
+    assert dict(response.headers) == dict(expected.headers)
+    assert response.raw.version == expected.raw.version == 11
+    assert getattr(response.raw, "version_string", None) == getattr(expected.raw, "version_string", None)
+
+
 GENEROUS_RETRY = Retry(total=5, connect=5, read=5, status=5, other=5, allowed_methods=None, backoff_factor=0)
 
 
@@ -637,6 +665,35 @@ def test_urllib3_1_is_refused_by_name() -> None:
     assert "urllib3 2.x" in message
     assert "1.26.20" in message
     assert "pip install 'urllib3>=2,<3'" in message
+
+
+def test_install_on_urllib3_1_leaves_requests_alone_and_says_so(
+    racy_server: LlamaServerEmulator, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On urllib3 1.x install() wraps neither urllib3's pools nor requests' adapter: one warning, and stats.unguarded
+    names the library and why; requests go out as without install(). The control: on urllib3 2.x it wraps both and
+    nothing is unguarded."""
+    original = HTTPConnectionPool.__dict__["urlopen"]
+    control = llama_guard.install(origins=[racy_server.url])
+    assert HTTPConnectionPool.__dict__["urlopen"] is not original
+    assert control.stats.snapshot().unguarded == {}
+    llama_guard.uninstall()
+    monkeypatch.setattr(urllib3, "__version__", "1.26.20")
+    installation = llama_guard.install(origins=[racy_server.url])
+    assert HTTPConnectionPool.__dict__["urlopen"] is original
+    response = requests.post(racy_server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+    assert response.status_code == 200
+    assert guard_requests.result_of(response) is None
+    said = [r.getMessage() for r in caplog.records if r.name == "llama_guard" and "1.26.20" in r.getMessage()]
+    assert said == [
+        "llama_guard: install() leaves requests and urllib3 unguarded: the guard needs urllib3 2.x and this is "
+        "urllib3 1.26.20 (pip install 'urllib3>=2,<3')"
+    ]
+    snap = installation.stats.snapshot()
+    assert snap.unguarded == {"urllib3": said[0].partition("unguarded: ")[2]}
+    assert snap.as_dict()["unguarded"] == snap.unguarded
+    assert snap.requests == 0
+    assert "unguarded=urllib3" in repr(installation.stats)
 
 
 def test_public_names() -> None:

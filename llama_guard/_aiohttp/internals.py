@@ -29,6 +29,7 @@ __all__ = [
     "fail_body_on_connection_loss",
     "hook_new_connections",
     "session_middlewares",
+    "sessions_out_of_reach",
     "set_session_middlewares",
     "unhook_new_connections",
     "unsupported_version",
@@ -73,14 +74,27 @@ def untested_version() -> str | None:
     version = aiohttp.__version__
     if version in TESTED_VERSIONS:
         return None
-    unsupported = unsupported_version()
-    if unsupported is not None:
-        return unsupported
-    return (
-        f"aiohttp {version} is not a version llama_guard was tested with ({_tested_range()}): "
-        "the guard uses public API only: new connections are not probed and stream connections are not dropped "
-        "after the final chunk (retries, the first-byte deadline and Connection: close on streams stay on)"
+    return unsupported_version() or (
+        f"{_not_tested(version)}: the guard uses public API only: new connections are not probed and stream "
+        "connections are not dropped after the final chunk (retries, the first-byte deadline and Connection: close "
+        "on streams stay on)"
     )
+
+
+def sessions_out_of_reach() -> str | None:
+    """Why `install()` cannot add the guard to the imported aiohttp's sessions, or None. It reaches them through a
+    private method (`SESSION_REQUEST_METHOD`), which only the tested versions are known to have."""
+    version = aiohttp.__version__
+    if version in TESTED_VERSIONS:
+        return None
+    return unsupported_version() or (
+        f"{_not_tested(version)}, and install() reaches sessions through a private method "
+        "(llama_guard.aiohttp.guard_session(session) guards one on aiohttp's public API)"
+    )
+
+
+def _not_tested(version: str) -> str:
+    return f"aiohttp {version} is not a version llama_guard was tested with ({_tested_range()})"
 
 
 def _tested_range() -> str:

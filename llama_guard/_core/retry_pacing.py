@@ -6,9 +6,10 @@ for the seconds to wait before the next attempt (`next_delay`), None when the gu
 - a server loading a model (a 503) is waited for up to ``max_loading_wait``, and the attempts that found it loading
   are not counted in ``max_attempts``, nor their time in ``max_retry_time``;
 - any other retry is bounded by ``max_attempts`` and ``max_retry_time``;
-- the wait: an explicit ``Retry-After``; none after a dead pooled connection; else full jitter, over a window as wide
-  as the probe deadline in force for a stalled connection (reconnects of one burst spread over less reach the
-  server as a new burst and stall again), at least `STATUS_BACKOFF` for a 503 without ``Retry-After``.
+- the wait: an explicit ``Retry-After`` (from the second loading answer in a row, at least `STATUS_BACKOFF`); none
+  after a dead pooled connection; else full jitter, over a window as wide as the probe deadline in force for a
+  stalled connection (reconnects of one burst spread over less reach the server as a new burst and stall again), at
+  least `STATUS_BACKOFF` for a 503 without ``Retry-After``.
 
 tenacity computes the jitter (`tenacity.wait_random_exponential`); the order is tenacity's own (retry, then wait,
 then stop, which sees the upcoming sleep).
@@ -70,6 +71,10 @@ class RetryPacing:
         if not verdict.backoff:
             return 0.0
         if verdict.delay is not None:
+            if verdict.loading and self.loading_attempts > 1:
+                # A server still loading that keeps saying "now" (Retry-After: 0) is polled at most every
+                # STATUS_BACKOFF: the loading wait is bounded in time (max_loading_wait), not in attempts.
+                return max(verdict.delay, STATUS_BACKOFF)
             return verdict.delay
         policy = self._policy
         if verdict.stall:

@@ -217,6 +217,9 @@ class StatsSnapshot:
     bypassed: str | None = None
     # The connection strategy in force per origin ("close (a loopback address: ...)"; GuardPolicy.connection).
     connection_strategies: dict[str, str] = field(default_factory=dict)
+    # The client libraries install() leaves alone, and why ({"aiohttp": "aiohttp 3.11.18 is not a version ..."}):
+    # their requests go out unguarded. Empty when install() guards every library it found (and outside install()).
+    unguarded: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for JSON and logs."""
@@ -232,6 +235,7 @@ class StatsSnapshot:
         data["late_answers_unseen"] = self.late_answers_unseen
         data["bypassed"] = self.bypassed
         data["connection_strategies"] = dict(self.connection_strategies)
+        data["unguarded"] = dict(self.unguarded)
         return data
 
 
@@ -343,6 +347,7 @@ class GuardStats:
         self.connection_strategies: dict[str, str] = {}  # origin -> its connection strategy; see StatsSnapshot
         self._final_strategies: set[str] = set()  # origins whose strategy is chosen: a provisional one never returns
         self.bypassed: str | None = None  # set when a closing transport finds its client sent round it; ditto
+        self.unguarded: dict[str, str] = {}  # library -> why install() leaves it alone; see StatsSnapshot
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
         self._by_origin: dict[tuple[str, Origin], OriginStats] = {}
         self.reset()
@@ -439,6 +444,12 @@ class GuardStats:
                     return
                 self.connection_strategies = {**self.connection_strategies, origin: choice}
 
+    def record_unguarded(self, library: str, why: str) -> None:
+        """`install()` leaves ``library``'s clients alone because of ``why`` (see `StatsSnapshot.unguarded`)."""
+        if self.unguarded.get(library) != why:
+            with self._lock:
+                self.unguarded = {**self.unguarded, library: why}  # a new dict: readers copy without the lock
+
     def record_admission_wait(self, seconds: float) -> None:
         with self._lock:
             self._counts["admission_waits"] += 1
@@ -458,6 +469,7 @@ class GuardStats:
                 late_answers_unseen=self.late_answers_unseen,
                 connection_strategies=dict(self.connection_strategies),
                 bypassed=self.bypassed,
+                unguarded=dict(self.unguarded),
             )
 
     def __repr__(self) -> str:
@@ -465,6 +477,7 @@ class GuardStats:
         fb = snap.first_byte
         latency = f", first_byte max={fb.max:.3f}s p99={fb.p99:.3f}s" if fb and fb.count else ""
         probing = " probing=off" if snap.probing_off is not None else ""
+        unguarded = f" unguarded={','.join(sorted(snap.unguarded))}" if snap.unguarded else ""
         kicks = (
             f" probe_kicks={snap.probe_kicks} probe_kicks_failed={snap.probe_kicks_failed} "
             f"probes_rescued={snap.probes_rescued}"
@@ -477,7 +490,7 @@ class GuardStats:
             f"stall_reconnects={snap.stall_reconnects} stream_connections_closed={snap.stream_connections_closed} "
             f"probes_sent={snap.probes_sent} probes_failed={snap.probes_failed} "
             f"probes_given_up={snap.probes_given_up} probes_answered_late={snap.probes_answered_late} "
-            f"admission_waits={snap.admission_waits}{kicks}{probing} errors={snap.errors}{latency}>"
+            f"admission_waits={snap.admission_waits}{kicks}{probing}{unguarded} errors={snap.errors}{latency}>"
         )
 
 
@@ -493,7 +506,7 @@ class _ParentCondition:
         parent = account._parent()
         return None if parent is None else getattr(parent, self._name)
 
-    def __set__(self, account: OriginStats, value: str | None) -> None:
+    def __set__(self, account: OriginStats, value: Any) -> None:
         parent = account._parent()
         if parent is not None:
             setattr(parent, self._name, value)
@@ -533,6 +546,7 @@ class OriginStats(GuardStats):
     probing_off = _ParentCondition()
     late_answers_unseen = _ParentCondition()
     bypassed = _ParentCondition()
+    unguarded = _ParentCondition()
 
     def snapshot(self) -> StatsSnapshot:
         """`GuardStats.snapshot`, with every condition the parent reports (any ``str | None`` attribute it has that
@@ -614,6 +628,16 @@ class StatsSet:
 
     def __contains__(self, stats: object) -> bool:
         return stats in self._live
+
+    def unguarded(self) -> dict[str, str]:
+        """The client libraries an installation among the followed stats leaves alone, and why (`record_unguarded`):
+        a condition of now, so only live stats say it."""
+        with self._lock:
+            live = list(self._live)
+        found: dict[str, str] = {}
+        for stats in live:
+            found.update(stats.unguarded)
+        return dict(sorted(found.items()))
 
     def totals(self) -> dict[Key, OriginTotals]:
         """Per (stack, origin): the counts of every followed `GuardStats`, live or gone."""

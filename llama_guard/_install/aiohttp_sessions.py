@@ -24,14 +24,14 @@ from .._core.stats import GuardStats
 __all__ = ["InstalledSessions", "session_request_method"]
 
 
-def session_request_method() -> tuple[type, str] | None:
-    """The session class and the name of the method to wrap; None on an aiohttp version the guard was not tested
-    with (one warning names it: sessions then stay unguarded by `install()`)."""
-    from .._aiohttp.internals import SESSION_REQUEST_METHOD, check_version  # imports aiohttp: only once it is in use
-    from .._runtime import PROCESS
+def session_request_method() -> tuple[type, str] | str:
+    """The session class and the name of the method to wrap; or, on an aiohttp version the guard was not tested with
+    (or cannot run on), why `install()` leaves aiohttp's sessions alone."""
+    from .._aiohttp.internals import SESSION_REQUEST_METHOD, sessions_out_of_reach  # imports aiohttp: once in use
 
-    if check_version(PROCESS.warnings) is not None:
-        return None
+    why = sessions_out_of_reach()
+    if why is not None:
+        return why
     module_name, qualified_name = SESSION_REQUEST_METHOD
     class_name, _, method = qualified_name.rpartition(".")
     return getattr(importlib.import_module(module_name), class_name), method

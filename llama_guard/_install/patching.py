@@ -151,6 +151,14 @@ class Installation:
                     self._guards[instance] = guard
         return guard
 
+    def leave_unguarded(self, library: str, clients: str, why: str) -> None:
+        """``library``'s clients (``clients``, as a warning names them) go out unguarded: logged once per process,
+        and in ``stats.unguarded`` (see `StatsSnapshot.unguarded`)."""
+        from .._runtime import PROCESS
+
+        self.stats.record_unguarded(library, why)
+        PROCESS.warnings.warning(f"llama_guard: install() leaves {clients} unguarded: {why}")
+
     def _remember_pool(self, instance: Any, target: _Target) -> None:
         internals = importlib.import_module(_INTERNALS[target.module])
         pool = internals.hookable_pool(instance)  # the pool the guard will change, if it can reach one
@@ -360,9 +368,11 @@ def _patch_aiohttp_if_imported() -> None:
     if _current is None or sys.modules.get(_AIOHTTP) is None or _aiohttp_handle is not None:  # None: import blocked
         return
     target = session_request_method()
-    if target is not None:
-        session_class, method = target
-        _aiohttp_handle = (session_class, method, wrapt.wrap_function_wrapper(session_class, method, _aiohttp_wrapper))
+    if isinstance(target, str):
+        _current.leave_unguarded("aiohttp", "aiohttp's sessions", target)
+        return
+    session_class, method = target
+    _aiohttp_handle = (session_class, method, wrapt.wrap_function_wrapper(session_class, method, _aiohttp_wrapper))
 
 
 def _aiohttp_wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

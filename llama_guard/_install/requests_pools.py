@@ -80,12 +80,9 @@ def patch_if_imported(current: Any) -> None:
     if current is None:
         return
     urllib3 = sys.modules.get("urllib3")
-    if urllib3 is not None and unsupported_urllib3(urllib3) is not None:
-        from .._runtime import PROCESS
-
-        PROCESS.warnings.warning(
-            f"llama_guard: install() leaves requests and urllib3 unguarded: {unsupported_urllib3(urllib3)}"
-        )
+    why = None if urllib3 is None else unsupported_urllib3(urllib3)
+    if why is not None:
+        current.leave_unguarded(STACK, "requests and urllib3", why)
         return
     if "urllib3" not in _handles and urllib3 is not None:
         from urllib3.connectionpool import HTTPConnectionPool

@@ -24,12 +24,14 @@ __all__ = [
     "OTEL_LABELS",
     "STALL_EPISODES",
     "STRATEGY",
+    "UNGUARDED",
     "Metric",
     "Series",
     "counter_series",
     "first_byte_buckets",
     "split_strategy",
     "stall_episode_series",
+    "unguarded_series",
 ]
 
 #: The first-byte histogram's bucket bounds, in seconds: from a pooled answer (milliseconds) to a long non-streamed
@@ -165,6 +167,13 @@ STRATEGY = Metric(
     "1",
     "The connection strategy chosen for the origin (GuardPolicy.connection), and why: value 1.",
 )
+UNGUARDED = Metric(
+    "llama_guard_unguarded",
+    "llama_guard.unguarded",
+    "info",
+    "1",
+    "A client library whose requests install() leaves unguarded (an untested aiohttp, urllib3 1.x), and why: value 1.",
+)
 FIRST_BYTE = Metric(
     "llama_guard_first_byte_seconds",
     "llama_guard.first_byte.duration",
@@ -172,7 +181,7 @@ FIRST_BYTE = Metric(
     "s",
     "Seconds from the guard receiving a request to the response headers, retries included.",
 )
-METRICS: tuple[Metric, ...] = (*COUNTERS, STALL_EPISODES, STRATEGY, FIRST_BYTE)
+METRICS: tuple[Metric, ...] = (*COUNTERS, STALL_EPISODES, STRATEGY, UNGUARDED, FIRST_BYTE)
 
 #: The OpenTelemetry attribute for each Prometheus label (``reason``: a retry's; the strategy's is
 #: ``llama_guard.connection.reason``).
@@ -182,6 +191,7 @@ OTEL_LABELS = {
     "reason": "llama_guard.retry.reason",
     "error": "error.type",
     "strategy": "llama_guard.connection.strategy",
+    "library": "llama_guard.library",
 }
 
 # One sample: its labels (Prometheus names, in order) and value.
@@ -218,6 +228,12 @@ def strategy_series(every: dict[tuple[str, Origin], OriginTotals]) -> Iterator[S
         if totals.connection_strategy is not None:
             strategy, reason = split_strategy(totals.connection_strategy)
             yield {**_labels(totals), "strategy": strategy, "reason": reason}, 1
+
+
+def unguarded_series(sources: StatsSet | None) -> Iterator[Series]:
+    """The libraries an installation among ``sources`` (default: every guard of the process) leaves alone."""
+    for library, reason in (EVERY_STATS if sources is None else sources).unguarded().items():
+        yield {"library": library, "reason": reason}, 1
 
 
 def stall_episode_series() -> Iterator[Series]:

@@ -82,6 +82,13 @@ class OpenTelemetryMetrics:
             description=catalog.STRATEGY.description,
         )
 
+        self.instruments[catalog.UNGUARDED.opentelemetry] = meter.create_observable_gauge(
+            catalog.UNGUARDED.opentelemetry,
+            callbacks=[self._unguarded],
+            unit=catalog.UNGUARDED.unit,
+            description=catalog.UNGUARDED.description,
+        )
+
     def stop(self) -> None:
         """Report nothing more (the instruments stay registered, empty)."""
         self._stopped = True
@@ -129,6 +136,17 @@ class OpenTelemetryMetrics:
             reason = labels.pop("reason")
             attributes = _attributes(labels)
             attributes["llama_guard.connection.reason"] = reason
+            found.append(observation(value, attributes))
+        return iter(found)
+
+    def _unguarded(self, options: Any) -> Iterator[Any]:
+        if self._stopped:
+            return iter(())
+        observation = _otel_metrics().Observation
+        found = []
+        for labels, value in catalog.unguarded_series(self._sources):
+            attributes = _attributes({"library": labels["library"]})
+            attributes["llama_guard.unguarded.reason"] = labels["reason"]
             found.append(observation(value, attributes))
         return iter(found)
 

@@ -70,6 +70,10 @@ class PrometheusCollector:
         for values, _ in catalog.strategy_series(every):
             family.add_metric([], {name: values[name] for name in labels})
         yield family
+        family = self._family(core, catalog.UNGUARDED, [])
+        for values, _ in catalog.unguarded_series(self._sources):
+            family.add_metric([], values)
+        yield family
         family = self._family(core, catalog.FIRST_BYTE, ["stack", "origin"])
         for (stack, origin), totals in every.items():
             cumulative, _, seconds = catalog.first_byte_buckets(totals)

@@ -182,6 +182,10 @@ class Urllib3Attempts:
             return Failed(None)
         finally:
             response.release_conn()
+        # urllib3 2.2.3 and later say the version as text too ("HTTP/1.1"; "HTTP/?" unless given).
+        version_string: dict[str, Any] = (
+            {"version_string": response.version_string} if hasattr(response, "version_string") else {}
+        )
         self._response = HTTPResponse(
             body=io.BytesIO(data),
             headers=response.headers,
@@ -193,6 +197,7 @@ class Urllib3Attempts:
             request_method=getattr(response, "_request_method", None),
             request_url=response.url,
             retries=response.retries,
+            **version_string,
         )
         return ERROR_BODY_READ
 
