@@ -22,8 +22,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - depends on the environm
 
 from ._aiohttp.internals import unsupported_version
 
-if unsupported_version() is not None:
-    raise ImportError(f"llama_guard.aiohttp: {unsupported_version()}")
+if (_unsupported := unsupported_version()) is not None:
+    raise ImportError(f"llama_guard.aiohttp: {_unsupported}")
 
 from . import _public
 from ._aiohttp.connector import GuardConnector

@@ -63,6 +63,8 @@ class Row:
     why: str
     #: A pytest ``-k`` expression: the row runs only these tests of the fast core (None: all of it).
     select: str | None = None
+    #: A --try row: its releases installed over the pins and admitted to the version gate for the run.
+    trial: bool = False
 
 
 # Keep in step with pyproject.toml's bounds and the TESTED_VERSIONS tables (llama_guard/_httpx/internals.py,
@@ -167,7 +169,8 @@ def try_row(pins: list[str], python: str) -> Row:
     """The row of ``--try``: the releases pinned, the tests named for their libraries."""
     selections = {LIBRARY_TESTS[pin.partition("==")[0]] for pin in pins}
     select = None if None in selections else " or ".join(sorted(f"({s})" for s in selections if s is not None))
-    return Row("try", python, tuple(pins), "releases not in TESTED_VERSIONS, admitted for this run", select)
+    why = "releases not in TESTED_VERSIONS, admitted for this run"
+    return Row("try", python, tuple(pins), why, select, trial=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         print(f"version matrix: {row.name}: {row.why}", flush=True)
         try:
-            python = prepare(row, beyond_pins=bool(args.releases))
+            python = prepare(row, beyond_pins=row.trial)
         except SetupError as exc:
             print(f"version matrix: {row.name}: error: {exc}", file=sys.stderr)
             return 2
@@ -203,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         selection = [] if row.select is None else ["-k", row.select]
         env = {**os.environ, "LLAMA_GUARD_PARTIAL_DEPS": "1"}
         markers = FAST_CORE
-        if args.releases:
+        if row.trial:
             # The pins' own test checks the committed tables against pyproject.toml: not what a try asks.
             env["LLAMA_GUARD_ADMIT"] = " ".join(row.pins)
             markers = TRY_MARKERS
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         took = time.monotonic() - started
         print(f"version matrix: {row.name}: {'passed' if code == 0 else 'FAILED'} in {took:.0f} s", flush=True)
-        if args.releases and code == 0:
+        if row.trial and code == 0:
             print(
                 f"version matrix: try: the hooks pass on {', '.join(row.pins)}; read what changed where the guard "
                 "touches it (the library's internals.py) before adding it to TESTED_VERSIONS",
