@@ -6,7 +6,7 @@ for the seconds to wait before the next attempt (`next_delay`), None when the gu
 - a server loading a model (a 503) is waited for up to ``max_loading_wait``, and the attempts that found it loading
   are not counted in ``max_attempts``, nor their time in ``max_retry_time``;
 - any other retry is bounded by ``max_attempts`` and ``max_retry_time``;
-- the wait: an explicit ``Retry-After`` (from the second loading answer in a row, at least `STATUS_BACKOFF`); none
+- the wait: an explicit ``Retry-After`` (from the request's second loading answer, at least `STATUS_BACKOFF`); none
   after a dead pooled connection; else full jitter, over a window as wide as the probe deadline in force for a
   stalled connection (reconnects of one burst spread over less reach the server as a new burst and stall again), at
   least `STATUS_BACKOFF` for a 503 without ``Retry-After``.
