@@ -20,15 +20,12 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
 from llama_guard import GuardPolicy, GuardStats
-from llama_guard.metrics import instrument_opentelemetry
 from llama_guard.testing import LlamaServerEmulator
 
-from .test_metrics import otel_points, otel_value
+from .test_metrics import otel_points_of, otel_value
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fastapi_proxy.py"
 CHAT = "/v1/chat/completions"
@@ -128,13 +125,7 @@ def test_the_proxy_metrics_match_its_stats_under_faults() -> None:
     strategy = {"strategy": "reuse", "reason": "forced: GuardPolicy(connection='reuse')"}
     assert prometheus_value(scrape, "llama_guard_connection_strategy_info", **labels, **strategy) == 1
     # OpenTelemetry's view of the same guard: the same figures again (nothing was sent since the scrape).
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    try:
-        instrument_opentelemetry(provider, sources=[guard_stats])
-        points = otel_points(reader)
-    finally:
-        provider.shutdown()
+    points = otel_points_of([guard_stats])
     attributes = {"llama_guard.stack": "httpx", "llama_guard.origin": origin}
     assert otel_value(points, "llama_guard.probes.rescued", **attributes).value == guard["probes_rescued"]
     assert (

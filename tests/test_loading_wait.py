@@ -13,6 +13,7 @@ from llama_guard._core.retry_pacing import STATUS_BACKOFF
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import FLAVORS, close_driver, make_driver, run_scenario
+from .test_adaptive_probe import one_request
 from .test_mechanisms import CHAT, chat
 
 LOADING_SECONDS = 2.0
@@ -67,15 +68,6 @@ def test_the_loading_wait_is_bounded(flavor: str) -> None:
     assert ran == 0
 
 
-async def one_request(flavor: str, server: LlamaServerEmulator, policy: GuardPolicy) -> object:
-    driver = make_driver(flavor, guarded=True, base_url=server.url, policy=policy)
-    try:
-        await driver.request("POST", CHAT, json=chat(stream=False))
-    finally:
-        await close_driver(driver)
-    return driver
-
-
 @pytest.mark.parametrize("flavor", FLAVORS)
 def test_a_loading_server_saying_retry_now_is_polled_at_most_twice_a_second(flavor: str) -> None:
     """Every answer 503 with Retry-After: 0 (a proxy in front of a loading server): the first retry goes at once, as
@@ -84,7 +76,7 @@ def test_a_loading_server_saying_retry_now_is_polled_at_most_twice_a_second(flav
     wait = 1.2
     with LlamaServerEmulator() as server:
         server.inject(Fault.STATUS_503, path=CHAT, count=None, retry_after=0)
-        driver = run_scenario(flavor, one_request, flavor, server, GuardPolicy(max_loading_wait=wait))
+        driver = run_scenario(flavor, one_request, flavor, server.url, GuardPolicy(max_loading_wait=wait), 10.0)
         sent = server.stats().requests_to(CHAT)
     (outcome,) = driver.outcomes  # type: ignore[attr-defined]
     assert outcome.status == 503

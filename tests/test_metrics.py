@@ -374,6 +374,17 @@ def otel_points(reader: InMemoryMetricReader) -> dict[str, list[Any]]:
     }
 
 
+def otel_points_of(sources: list[Any] | None) -> dict[str, list[Any]]:
+    """One collection of the guard's instruments on a meter provider of their own, reading ``sources``."""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        instrument_opentelemetry(provider, sources=sources)
+        return otel_points(reader)
+    finally:
+        provider.shutdown()
+
+
 def otel_value(points: dict[str, list[Any]], name: str, **attributes: str) -> Any:
     found = [p for p in points[name] if all(p.attributes.get(k) == v for k, v in attributes.items())]
     assert len(found) == 1, (name, attributes, points[name])
@@ -392,13 +403,7 @@ def test_prometheus_and_opentelemetry_show_the_stats() -> None:
     snap = transport.stats.snapshot()
     assert snap.retries >= 1  # something to show besides requests
     families = scrape(PrometheusCollector(sources=[transport]))
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    try:
-        instrument_opentelemetry(provider, sources=[transport])
-        points = otel_points(reader)
-    finally:
-        provider.shutdown()
+    points = otel_points_of([transport])
     labels = {"stack": "httpx", "origin": origin}
     attributes = {"llama_guard.stack": "httpx", "llama_guard.origin": origin}
     for metric in METRICS:
@@ -440,13 +445,7 @@ def test_the_exporters_show_what_install_leaves_unguarded(monkeypatch: pytest.Mo
         installation = llama_guard.install(origins=["http://127.0.0.1:9"])
         why = installation.stats.snapshot().unguarded["urllib3"]
         families = scrape(PrometheusCollector(sources=[installation]))
-        reader = InMemoryMetricReader()
-        provider = MeterProvider(metric_readers=[reader])
-        try:
-            instrument_opentelemetry(provider, sources=[installation])
-            points = otel_points(reader)
-        finally:
-            provider.shutdown()
+        points = otel_points_of([installation])
     finally:
         llama_guard.uninstall()
     # The text format has no info type: an info family is a gauge whose name ends in _info.
