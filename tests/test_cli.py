@@ -127,7 +127,20 @@ def test_version_says_what_the_guard_does_on_an_untested_library(monkeypatch: py
     assert lines["httpx"].endswith("the guard patches nothing private and follows requests through the trace extension")
     assert "aiohttp 3.99.0 is not a version llama_guard was tested with" in lines["aiohttp"]
     assert "new connections are not probed" in lines["aiohttp"]
+    assert lines["aiohttp"].endswith("; install() and llama-guard run leave its sessions alone")
     assert lines["urllib3"].endswith("urllib3 2.x, so the guard hooks its pools")
+
+
+def test_version_says_an_aiohttp_the_guard_cannot_run_on_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An aiohttp without Payload.as_bytes() (3.12.0): every entry point refuses it, so it is said once, pin and all."""
+    pytest.importorskip("aiohttp")
+    import aiohttp.payload
+
+    monkeypatch.setattr(aiohttp, "__version__", "3.12.0")
+    monkeypatch.delattr(aiohttp.payload.Payload, "as_bytes")
+    line = {line.split()[0].rstrip(":"): line for line in versions.library_lines()}["aiohttp"]
+    assert ": the guard needs aiohttp's client middlewares and Payload.as_bytes()" in line
+    assert line.endswith("this is aiohttp 3.12.0 (pip install 'aiohttp>=3.12.4,<3.15')")
 
 
 def test_version_names_the_extra_of_a_library_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,9 +41,12 @@ def _httpx2_gate() -> str | None:
 
 
 def _aiohttp_gate() -> str | None:
-    from .._aiohttp.internals import untested_version
+    from .._aiohttp.internals import sessions_out_of_reach, untested_version
 
-    return untested_version()
+    why = untested_version()
+    if why is not None and sessions_out_of_reach() != why:  # untested, not unusable: install() differs from guard()
+        why += "; install() and llama-guard run leave its sessions alone"
+    return why
 
 
 def _urllib3_gate() -> str | None:
