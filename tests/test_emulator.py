@@ -505,6 +505,33 @@ def test_stall_burst_stalls_the_connections_after_http_threads_until_released() 
     no_errors(stats)
 
 
+def test_a_stalled_connection_used_again_once_served_is_counted() -> None:
+    """stalled_used_after_release: a stalled connection whose client sends a second request once it is served (it
+    was still waiting for the first answer); not one whose client half-closed it (gave up), nor one never stalled."""
+    with LlamaServerEmulator(http_threads=1, stall_burst=3) as server:
+        socks = [connect(server) for _ in range(3)]
+        try:
+            for sock in socks:
+                sock.sendall(HEALTH)
+            server.wait_for(lambda s: s.connections_stalled_unread == 2)
+            read_response(socks[0])
+            socks[0].sendall(HEALTH)  # a second request on a connection served at once
+            read_response(socks[0])
+            socks[2].shutdown(socket.SHUT_WR)  # its client gave up
+            assert server.release_stalled() == 2
+            read_response(socks[1])
+            socks[1].sendall(HEALTH)  # its client waited, and goes on
+            read_response(socks[1])
+            read_response(socks[2])
+            stats = server.wait_for(lambda s: s.requests_to("/health") == 5)
+        finally:
+            for sock in socks:
+                sock.close()
+    assert (stats.connections_stalled, stats.stalled_released_by_call) == (2, 2)
+    assert stats.stalled_used_after_release == 1
+    no_errors(stats)
+
+
 def test_stall_burst_rearms_once_every_connection_of_the_burst_closed() -> None:
     """The next burst stalls again (doctor --burst style), and stop() closes a connection still stalled."""
     server = LlamaServerEmulator(http_threads=1, stall_burst=2).start()

@@ -85,7 +85,7 @@ class _Parked(NamedTuple):
 class _QueuedConnection:
     """A pool job: one accepted socket waiting for (then run by) a pool thread."""
 
-    __slots__ = ("accepted_at", "conn_id", "emulator", "gated", "sock")
+    __slots__ = ("accepted_at", "conn_id", "emulator", "gated", "sock", "stalled")
 
     def __init__(self, emulator: LlamaServerEmulator, conn_id: int, sock: socket.socket) -> None:
         self.emulator = emulator
@@ -93,6 +93,7 @@ class _QueuedConnection:
         self.sock = sock
         self.accepted_at = time.monotonic()
         self.gated = False  # admitted by the stall_burst gate, which must hear when it ends
+        self.stalled = False  # held by the gate, its first request unread, before a thread took it
 
     def __call__(self) -> None:
         self.emulator._run_connection(self)
@@ -583,6 +584,7 @@ class LlamaServerEmulator(StartStop):
         with self._conn_lock:
             served, began = self._gate.admit(job)
             if served is not job:
+                job.stalled = True
                 self._queued[job.conn_id] = job  # waiting for a thread, as far as stats and stop() are concerned
         if began:
             self._stats.count("stall_bursts")
@@ -649,6 +651,7 @@ class LlamaServerEmulator(StartStop):
                 self._config.read_timeout,
                 close_lock=self._conn_lock,
             )
+            wire.stalled = job.stalled
             self._active[job.conn_id] = wire
         waited = time.monotonic() - job.accepted_at
         self._stats.wait(ConnectionWait(job.conn_id, waited, unread, served=True))

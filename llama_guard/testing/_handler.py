@@ -263,6 +263,9 @@ class _Exchange:
                 return False, b""
             request = head
             self.ctx.stats.request(request.method, request.path)
+            self.wire.requests_read += 1
+            if self.wire.stalled and self.wire.requests_read == 2:  # its client still waited when a thread took it
+                self.ctx.stats.count("stalled_used_after_release")
             if request.header("expect").lower() == "100-continue":
                 self.wire.send(b"HTTP/1.1 100 Continue\r\n\r\n")
             request.body = self._read_body(parser)

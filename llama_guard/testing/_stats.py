@@ -80,6 +80,10 @@ class EmulatorStats:
     #: ``stall_burst``: stalled connections served because a served connection of the server closed (a pool
     #: thread became free and took the oldest waiting job).
     stalled_released_by_close: int = 0
+    #: ``stall_burst``: stalled connections that carried a second request once served: their client was still
+    #: waiting for the answer to the first one (a guard's probe answered within its deadline) and went on to use
+    #: the connection. A client that gave up on a stalled connection half-closes or closes it: none there.
+    stalled_used_after_release: int = 0
     #: ``stall_burst`` (live): connections held stalled now, and how many of them hold unread bytes.
     connections_stalled_now: int = 0
     connections_stalled_unread: int = 0
@@ -128,6 +132,7 @@ Count = Literal[
     "connections_stalled",
     "stalled_released_by_call",
     "stalled_released_by_close",
+    "stalled_used_after_release",
 ]
 
 
@@ -148,6 +153,7 @@ class _Counters:
     connections_stalled: int = 0
     stalled_released_by_call: int = 0
     stalled_released_by_close: int = 0
+    stalled_used_after_release: int = 0
     waits: list[ConnectionWait] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 

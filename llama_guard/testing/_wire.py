@@ -84,6 +84,8 @@ class Wire:
         self._read_timeout = read_timeout
         self.closed = False
         self.bytes_sent = 0
+        self.requests_read = 0  # request heads read on this connection (``_handler``)
+        self.stalled = False  # the stall_burst gate held it before a thread took it (``_emulator``)
 
     # -- reading --------------------------------------------------------------
 
