@@ -16,7 +16,8 @@ import pytest
 from llama_guard import GuardPolicy
 from llama_guard._core import connection_machine as connection
 from llama_guard._core import request_machine as request
-from llama_guard._core.decisions import FailureKind
+from llama_guard._core.decisions import FailureKind, Verdict
+from llama_guard._core.retry_pacing import RetryPacing
 from llama_guard._core.probes import PROBE_SLICE, Admission
 
 from ._machines import Clock, NoTurn, answered, machine_for, plan_for, probing
@@ -353,6 +354,33 @@ def test_a_loading_server_is_waited_for_without_spending_attempts() -> None:
     machine.pacing.loading_since = 0.0  # the server has been loading longer than max_loading_wait
     machine.next(request.Answered(503, SHORT_ERROR, False))
     assert isinstance(machine.next(request.ERROR_BODY_READ), request.Deliver)
+
+
+LOADING = Verdict(True, "server loading a model", status=True, loading=True)
+LOADING_NOW = Verdict(True, "server loading a model", delay=0.0, status=True, loading=True)
+LOADING_LATER = Verdict(True, "server loading a model", delay=0.8, status=True, loading=True)
+
+
+@pytest.mark.parametrize(
+    ("verdict", "waits"),
+    [
+        # backoff_max=0 (no backoff): at once, then every 0.5 s; the last wait cut to what is left of the 1.2 s.
+        pytest.param(LOADING, [(0.0, 0.0), (0.0, 0.5), (0.5, 0.5), (1.0, 0.2), (1.2, None)], id="no-backoff"),
+        pytest.param(LOADING_NOW, [(0.0, 0.0), (0.0, 0.5), (0.5, 0.5), (1.0, 0.2), (1.2, None)], id="retry-after-0"),
+        # The server asks for 0.8 s, and 0.4 s is left at 0.8: no last poll against its word.
+        pytest.param(LOADING_LATER, [(0.0, 0.8), (0.8, None)], id="retry-after-beyond"),
+    ],
+)
+def test_the_loading_wait_paces_its_polls_and_asks_once_more_at_its_end(verdict: Verdict, waits: list[Any]) -> None:
+    """(now, wait) for each loading answer of one request, max_loading_wait=1.2: None is the end (the caller gets
+    the 503). The clock is given, not read: no sleeping."""
+    pacing = RetryPacing(GuardPolicy(max_loading_wait=1.2, backoff_max=0.0), 0.0)
+    seen = []
+    for attempts, (now, _) in enumerate(waits, start=1):
+        pacing.follow(verdict, now)
+        wait = pacing.next_delay(verdict, attempts=attempts, probe_deadline=1.0, now=now)
+        seen.append((now, None if wait is None else round(wait, 9)))
+    assert seen == waits
 
 
 # -- one new connection's life --------------------------------------------------------------------------------------

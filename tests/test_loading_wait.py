@@ -3,6 +3,7 @@ waited for up to max_loading_wait, spending none of the request's attempts, on b
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 
@@ -68,20 +69,32 @@ def test_the_loading_wait_is_bounded(flavor: str) -> None:
     assert ran == 0
 
 
+@pytest.mark.parametrize(
+    ("retry_after", "backoff_max"),
+    [pytest.param(0, 2.0, id="retry-after-0"), pytest.param(None, 0.0, id="backoff_max-0")],
+)
 @pytest.mark.parametrize("flavor", FLAVORS)
-def test_a_loading_server_saying_retry_now_is_polled_at_most_twice_a_second(flavor: str) -> None:
-    """Every answer 503 with Retry-After: 0 (a proxy in front of a loading server): the first retry goes at once, as
-    the server asks; after that one attempt per 0.5 s at most, until max_loading_wait. Without the floor, the guard
-    sent thousands of attempts in the wait (17,297 in 120 s, one request on the requests stack)."""
+def test_a_loading_server_is_polled_at_most_twice_a_second(
+    flavor: str, retry_after: int | None, backoff_max: float
+) -> None:
+    """Every answer 503, with Retry-After: 0 (a proxy in front of a loading server) or without it under
+    backoff_max=0: the first retry goes at once, as asked; after that one attempt per 0.5 s at most, and a last one
+    as max_loading_wait passes. Before, the guard sent thousands of attempts in the wait (17,297 in 120 s from one
+    request on the requests stack; 323 in 2 s with backoff_max=0)."""
     wait = 1.2
+    policy = GuardPolicy(max_loading_wait=wait, backoff_max=backoff_max)
+    params = {} if retry_after is None else {"retry_after": retry_after}
     with LlamaServerEmulator() as server:
-        server.inject(Fault.STATUS_503, path=CHAT, count=None, retry_after=0)
-        driver = run_scenario(flavor, one_request, flavor, server.url, GuardPolicy(max_loading_wait=wait), 10.0)
+        server.inject(Fault.STATUS_503, path=CHAT, count=None, **params)
+        started = time.monotonic()
+        driver = run_scenario(flavor, one_request, flavor, server.url, policy, 10.0)
+        elapsed = time.monotonic() - started
         sent = server.stats().requests_to(CHAT)
     (outcome,) = driver.outcomes  # type: ignore[attr-defined]
     assert outcome.status == 503
-    # At once, then at most one per 0.5 s of the wait: slowness can only lower the count.
-    assert 2 <= outcome.result.attempts == sent <= 2 + int(wait / STATUS_BACKOFF), outcome.result
+    # At once, then at most one per 0.5 s of the wait, the last at its end: slowness can only lower the count.
+    assert 2 <= outcome.result.attempts == sent <= 2 + math.ceil(wait / STATUS_BACKOFF), outcome.result
+    assert elapsed >= wait  # the caller waited max_loading_wait out
 
 
 def test_max_loading_wait_zero_returns_the_503_at_once() -> None:

@@ -160,10 +160,11 @@ class GuardPolicy:
             request that found its pooled connection dead is retried at once.
         backoff_max: the cap on one backoff delay (default 2.0 seconds).
         max_loading_wait: seconds the guard waits for a server that answers 503 (llama-server loading a model, on
-            ``/health`` or on the request), retrying with backoff (0.5 s doubling up to ``backoff_max``), before it
-            hands the caller the 503 (default 120.0; 0 returns it at once). These retries spend none of
-            ``max_attempts`` and their time none of ``max_retry_time``: loading is not a failure, and a big model
-            takes a minute or more.
+            ``/health`` or on the request), retrying with backoff (0.5 s doubling up to ``backoff_max``; from the
+            second 503 never sooner than 0.5 s, whatever ``Retry-After`` and ``backoff_max`` say), then once more
+            as this time passes (unless a ``Retry-After`` asks for longer), before it hands the caller the 503
+            (default 120.0; 0 returns it at once). These retries spend none of ``max_attempts`` and their time none
+            of ``max_retry_time``: loading is not a failure, and a big model takes a minute or more.
         max_retry_after: the longest ``Retry-After`` the guard waits out before retrying a 503 or 429 (default
             30.0 seconds); a longer one returns the response to the caller.
         retry_non_idempotent: also retry POST/PATCH requests to endpoints other than llama-server's inference

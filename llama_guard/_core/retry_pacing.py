@@ -3,13 +3,13 @@
 The request's machine (``request_machine.py``) hands each attempt's `Verdict` here (`RetryPacing.follow`) and asks
 for the seconds to wait before the next attempt (`next_delay`), None when the guard stops:
 
-- a server loading a model (a 503) is waited for up to ``max_loading_wait``, and the attempts that found it loading
-  are not counted in ``max_attempts``, nor their time in ``max_retry_time``;
+- a server loading a model (a 503) is waited for up to ``max_loading_wait`` (a last attempt when it has passed),
+  polled at most every `STATUS_BACKOFF` from the request's second loading answer, and the attempts that found it
+  loading are not counted in ``max_attempts``, nor their time in ``max_retry_time``;
 - any other retry is bounded by ``max_attempts`` and ``max_retry_time``;
-- the wait: an explicit ``Retry-After`` (from the request's second loading answer, at least `STATUS_BACKOFF`); none
-  after a dead pooled connection; else full jitter, over a window as wide as the probe deadline in force for a
-  stalled connection (reconnects of one burst spread over less reach the server as a new burst and stall again), at
-  least `STATUS_BACKOFF` for a 503 without ``Retry-After``.
+- the wait: an explicit ``Retry-After``; none after a dead pooled connection; else full jitter, over a window as wide
+  as the probe deadline in force for a stalled connection (reconnects of one burst spread over less reach the server
+  as a new burst and stall again), at least `STATUS_BACKOFF` wide for a 503 without ``Retry-After``.
 
 tenacity computes the jitter (`tenacity.wait_random_exponential`); the order is tenacity's own (retry, then wait,
 then stop, which sees the upcoming sleep).
@@ -62,7 +62,16 @@ class RetryPacing:
         if verdict is None or not verdict.retry:
             return None
         delay = self._wait(verdict, probe_deadline)
-        if self._stop(verdict, attempts, now + delay):
+        if self.loading_since is not None and verdict is not PROBE_LOADING:
+            if self.loading_attempts > 1:
+                # The loading wait is bounded in time, not in attempts: a server still loading is polled at most
+                # every STATUS_BACKOFF, whatever Retry-After (0, from a proxy) or backoff_max (0, in tests) say.
+                delay = max(delay, STATUS_BACKOFF)
+            left = self.loading_since + self._policy.max_loading_wait - now
+            if left <= 0 or (verdict.delay is not None and verdict.delay >= left):  # or the server says: not by then
+                return None
+            delay = min(delay, left)  # the guard's own wait: the last poll as max_loading_wait passes, not before
+        elif self._stop(verdict, attempts, now + delay):
             return None
         self._state.attempt_number += 1
         return delay
@@ -71,10 +80,6 @@ class RetryPacing:
         if not verdict.backoff:
             return 0.0
         if verdict.delay is not None:
-            if verdict.loading and self.loading_attempts > 1:
-                # A server still loading that keeps saying "now" (Retry-After: 0) is polled at most every
-                # STATUS_BACKOFF: the loading wait is bounded in time (max_loading_wait), not in attempts.
-                return max(verdict.delay, STATUS_BACKOFF)
             return verdict.delay
         policy = self._policy
         if verdict.stall:
@@ -88,14 +93,12 @@ class RetryPacing:
         return wait
 
     def _stop(self, verdict: Verdict, attempts: int, resumes: float) -> bool:
-        """Whether the guard stops instead of sending again at ``resumes`` (after the wait)."""
+        """Whether the guard stops instead of sending again at ``resumes`` (after the wait), out of a loading wait."""
         policy = self._policy
         if verdict is PROBE_LOADING:
             # The probe found the server loading: the request itself has not been sent. It goes once, unprobed (the
             # server reads connections), so the caller gets the server's own answer, whatever max_loading_wait is.
             return False
-        if self.loading_since is not None:
-            return resumes - self.loading_since >= policy.max_loading_wait
         if attempts - self.loading_attempts >= policy.max_attempts:
             return True
         return policy.max_retry_time is not None and resumes - self.retry_clock >= policy.max_retry_time
