@@ -17,8 +17,8 @@ from llama_guard import GuardPolicy
 from llama_guard._core import connection_machine as connection
 from llama_guard._core import request_machine as request
 from llama_guard._core.decisions import FailureKind, Verdict
-from llama_guard._core.retry_pacing import RetryPacing
 from llama_guard._core.probes import PROBE_SLICE, Admission
+from llama_guard._core.retry_pacing import RetryPacing
 
 from ._machines import Clock, NoTurn, answered, machine_for, plan_for, probing
 
