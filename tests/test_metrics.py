@@ -159,6 +159,22 @@ def test_totals_keep_the_counts_of_a_transport_that_is_gone() -> None:
     assert watched.totals()[("httpx", ORIGIN)].counts["requests"] == 2
 
 
+def test_the_counts_of_guards_gone_are_folded_without_a_reading() -> None:
+    """A process that makes a client per call and never reads its metrics: each gone guard's accounts are folded
+    into one total per (stack, origin) as the next guard joins, not kept one per guard until a reading (about
+    30 KB each: 44 MB after 1,500 clients, before)."""
+    watched = StatsSet()
+    for _ in range(50):
+        stats = GuardStats()
+        watched.add(stats)
+        stats.of_origin("httpx", ORIGIN).record_request(1, 0.01, False)
+        del stats
+        gc.collect()
+    assert len(watched._gone) <= 1  # the last one's, until the next joins or a reading
+    assert len(watched._retired) == 1
+    assert watched.totals()[("httpx", ORIGIN)].counts["requests"] == 50
+
+
 REQUEST = RequestKind("POST", idempotent=False, inference=True, stream=False, replayable=True)
 
 

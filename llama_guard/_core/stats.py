@@ -620,6 +620,7 @@ class StatsSet:
         if isinstance(stats, OriginStats):
             raise TypeError("add the transport's GuardStats, not one origin's account")
         with self._lock:
+            self._fold_gone()  # here too, not only when read: a process that never reads keeps no pile
             if stats in self._live:
                 return
             self._live.add(stats)
@@ -643,12 +644,7 @@ class StatsSet:
         """Per (stack, origin): the counts of every followed `GuardStats`, live or gone."""
         result: dict[Key, OriginTotals] = {}
         with self._lock:
-            while self._gone:
-                for key, gone in self._gone.pop().items():
-                    retired = self._retired.get(key)
-                    if retired is None:
-                        retired = self._retired[key] = OriginTotals(*key)
-                    retired.add(gone)
+            self._fold_gone()
             live = list(self._live)
             for key, retired in self._retired.items():
                 result[key] = OriginTotals(*key)
@@ -661,6 +657,15 @@ class StatsSet:
                     totals = result[key] = OriginTotals(*key)
                 totals.add(account, strategies)
         return result
+
+    def _fold_gone(self) -> None:
+        """Fold the accounts of collected stats into the retired totals, one per (stack, origin). Under the lock."""
+        while self._gone:
+            for key, gone in self._gone.pop().items():
+                retired = self._retired.get(key)
+                if retired is None:
+                    retired = self._retired[key] = OriginTotals(*key)
+                retired.add(gone)
 
 
 def _retire(owner: weakref.ref[StatsSet], accounts: dict[Key, OriginStats]) -> None:
