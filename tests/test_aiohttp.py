@@ -399,6 +399,9 @@ def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog
     assert [r.attempts for r in results] == [2, 1]  # type: ignore[attr-defined]
     assert stats.probes_sent == 1
     assert "probing disabled for this origin" in caplog.text
+    snap = stats.snapshot()
+    assert snap.probing_off is not None
+    assert (snap.stall_reconnects, snap.retries_by_reason) == (0, {"connection_error": 1})
 
 
 def test_a_proxied_aiohttp_request_is_not_probed_and_says_so(

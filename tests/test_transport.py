@@ -226,7 +226,8 @@ def test_a_server_loading_its_model_answers_the_request_itself(
 
 def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog: pytest.LogCaptureFixture) -> None:
     """A server that closes every connection after one answer (200 with Connection: close) cannot be probed: the
-    guard says so once and stops probing it; requests still succeed."""
+    guard says so once, in stats.probing_off too, and stops probing it; requests still succeed. The connection was
+    answered, so it is no stall: the retry is not counted as one."""
     with LlamaServerEmulator(keepalive_max=1) as server:
         with httpx.Client(transport=GuardTransport(policy=REUSE), base_url=server.url) as client:
             first = client.post(CHAT, json=BODY)
@@ -239,6 +240,10 @@ def test_probe_of_a_server_that_closes_after_a_healthy_answer_is_disabled(caplog
     assert stats.probes_sent == 1
     assert (stats.probes_failed, stats.errors, stats.probe_latency.count) == (1, {"ProbeError": 1}, 0)
     assert "probing disabled for this origin" in caplog.text
+    assert stats.probing_off is not None
+    assert "closes connections after answering GET /health (200)" in stats.probing_off
+    assert (stats.stall_reconnects, stats.retries_by_reason) == (0, {"connection_error": 1})
+    assert "stalled" not in caplog.text
 
 
 @pytest.mark.parametrize("fault", [Fault.GARBAGE, Fault.RESET_AFTER_HEADERS, Fault.TRUNCATED_CHUNK])

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
+from .decisions import verdict_for_closed_probe
 from .log import logger
 from .probes import (
     PROBE_SLICE,
@@ -624,16 +625,14 @@ class ConnectionMachine:
         # (a 503 "Loading model", retried on its own terms, and handed to the caller if it lasts) instead of failing
         # probe after probe.
         plan.server_reads_connections = True
-        if not 200 <= status < 300:
-            plan.probe_loading = status == 503
-            return
-        # A healthy server that closes every probed connection: probing can never leave a usable one there.
-        plan.guard.unprobeable.add(plan.origin)
-        logger.warning(
-            "%s closes connections after GET /health, so new connections cannot be probed; "
-            "probing disabled for this origin",
-            plan.origin,
-        )
+        plan.probe_verdict = verdict_for_closed_probe(status)
+        if 200 <= status < 300:
+            # A healthy server that closes every probed connection: probing can never leave a usable one there.
+            plan.guard.unprobeable.add(plan.origin)
+            self._probing_off(
+                f"{plan.origin} closes connections after answering GET /health ({status}), so a probed connection "
+                "cannot be kept: probing disabled for this origin"
+            )
 
     def _probing_off(self, why: str) -> None:
         """This connection cannot be probed although the request probes (``why``: the kind of connection): said once

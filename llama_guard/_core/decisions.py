@@ -38,6 +38,7 @@ __all__ = [
     "is_inference_path",
     "is_streaming_response",
     "parse_retry_after",
+    "verdict_for_closed_probe",
     "verdict_for_failure",
     "verdict_for_status",
     "wants_stream",
@@ -257,3 +258,11 @@ def verdict_for_status(
 PROBE_LOADING = Verdict(
     True, "the server is loading a model (GET /health answered 503; nothing real was sent)", status=True, loading=True
 )
+
+
+def verdict_for_closed_probe(status: int) -> Verdict:
+    """A new connection's probe was answered with ``status``, and the server closed the connection: the server reads
+    new connections (not a stall), and the request, not sent yet, goes again."""
+    if status == 503:
+        return PROBE_LOADING
+    return Verdict(True, f"GET /health answered {status} and the server closed the connection (nothing real was sent)")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from .connection_strategy import ConnectionChoice, Strategies, is_loopback_host
-from .decisions import first_attempt_goes_as_is, wants_stream
+from .decisions import Verdict, first_attempt_goes_as_is, wants_stream
 from .log import describe_request
 from .origins import Origin, OriginRegistry
 from .policy import GuardPolicy
@@ -252,11 +252,12 @@ class RequestPlan:
     new_connection: int = field(default=0, init=False)
     # What its connections' probes found, across its attempts (written by each `ConnectionMachine`, read by the
     # request's machine): probes given up or failed; whether the server was seen reading new connections (a probe
-    # got an HTTP answer: later attempts need no probe); whether the last probe found it loading (a 503); the
-    # deadline the last probe waited (a stalled connection's reconnect window; None: no probe yet).
+    # got an HTTP answer: later attempts need no probe); the verdict on the last probe if it was answered and its
+    # connection closed (a 503: loading; not a stall either way); the deadline the last probe waited (a stalled
+    # connection's reconnect window; None: no probe yet).
     failed_probes: int = field(default=0, init=False)
     server_reads_connections: bool = field(default=False, init=False)
-    probe_loading: bool = field(default=False, init=False)
+    probe_verdict: Verdict | None = field(default=None, init=False)
     probe_deadline_used: float | None = field(default=None, init=False)
 
     # -- the request's facts, worked out when asked -------------------------------------------------------------------

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from .decisions import (
-    PROBE_LOADING,
     FailureKind,
     Progress,
     RequestKind,
@@ -447,9 +446,8 @@ class RequestMachine:
         plan = self.plan
         plan.stats.add_error(error_name)
         progress = tracker.effective_progress()
-        if kind is FailureKind.PROBE and plan.probe_loading:
-            plan.probe_loading = False
-            self.verdict = PROBE_LOADING
+        if kind is FailureKind.PROBE and plan.probe_verdict is not None:  # answered, then closed: no stall
+            self.verdict, plan.probe_verdict = plan.probe_verdict, None
         else:
             self.verdict = verdict_for_failure(
                 kind,
