@@ -15,7 +15,7 @@ import contextlib
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from ._faults import Fault
 
@@ -118,7 +118,7 @@ class EmulatorStats:
         return sum(1 for waited in self.unread_waits if waited >= threshold)
 
 
-#: The plain counts of `_Counters` (`StatsRecorder.count` takes one), each named as its `EmulatorStats` field.
+#: The plain counts (`StatsRecorder.count` takes one), each named as its `EmulatorStats` field.
 Count = Literal[
     "completions_started",
     "completions_finished",
@@ -141,19 +141,8 @@ class _Counters:
     requests: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
     responses: collections.Counter[int] = field(default_factory=collections.Counter)
     faults: collections.Counter[Fault] = field(default_factory=collections.Counter)
-    completions_started: int = 0
-    completions_finished: int = 0
-    completions_cancelled: int = 0
-    connections_accepted: int = 0
-    connections_closed: int = 0
-    connections_active: int = 0
-    streams_closed_after_done: int = 0
-    requests_dropped_after_stream: int = 0
-    stall_bursts: int = 0
-    connections_stalled: int = 0
-    stalled_released_by_call: int = 0
-    stalled_released_by_close: int = 0
-    stalled_used_after_release: int = 0
+    # Each of `Count`, by name: the names are written once, in `Count` (and as the `EmulatorStats` fields).
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(get_args(Count), 0))
     waits: list[ConnectionWait] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -174,10 +163,9 @@ class LiveView:
     connections_stalled_unread: int = 0
 
 
-def _numbers(record: _Counters | LiveView) -> dict[str, Any]:
-    """The int and float fields of ``record`` by name: each is the `EmulatorStats` field of the same name."""
-    values = {item.name: getattr(record, item.name) for item in fields(record)}
-    return {name: value for name, value in values.items() if isinstance(value, (int, float))}
+def _numbers(record: LiveView) -> dict[str, Any]:
+    """The fields of ``record`` by name: each is the `EmulatorStats` field of the same name."""
+    return {item.name: getattr(record, item.name) for item in fields(record)}
 
 
 class StatsRecorder:
@@ -197,7 +185,7 @@ class StatsRecorder:
     def count(self, name: Count, delta: int = 1) -> None:
         """Add ``delta`` (1, or -1 for the ``connections_active`` gauge) to the count ``name``."""
         with self._change() as c:
-            setattr(c, name, getattr(c, name) + delta)
+            c.counts[name] += delta
 
     def request(self, method: str, path: str) -> None:
         with self._change() as c:
@@ -223,7 +211,8 @@ class StatsRecorder:
     def reset(self) -> None:
         """Zero every counter except ``connections_active`` (a live gauge)."""
         with self._change() as c:
-            self._c = _Counters(connections_active=c.connections_active)
+            self._c = _Counters()
+            self._c.counts["connections_active"] = c.counts["connections_active"]
 
     def snapshot_and_reset(self, live: LiveView) -> EmulatorStats:
         """Atomically take a snapshot and zero the counters."""
@@ -235,13 +224,14 @@ class StatsRecorder:
     def snapshot(self, live: LiveView) -> EmulatorStats:
         with self.changed:
             c = self._c
-            # The counts go by name (a count added to both classes needs no line here); the collections are copied.
+            # The counts go by name (a count added to Count and EmulatorStats needs no line here); the collections
+            # are copied.
             return EmulatorStats(
                 requests=dict(c.requests),
                 responses=dict(c.responses),
                 faults_triggered=dict(c.faults),
                 connection_waits=tuple(c.waits),
                 errors=tuple(c.errors),
-                **_numbers(c),
+                **c.counts,
                 **_numbers(live),
             )
