@@ -68,33 +68,31 @@ def unsupported_version() -> str | None:
 
 def untested_version() -> str | None:
     """None when the imported aiohttp is a version in `TESTED_VERSIONS`; else why not, naming it
-    (`unsupported_version()` first).
-
-    Read from ``aiohttp.__version__`` at each call, so that a test can change it."""
-    version = aiohttp.__version__
-    if version in TESTED_VERSIONS:
-        return None
-    return unsupported_version() or (
-        f"{_not_tested(version)}: the guard uses public API only: new connections are not probed and stream "
-        "connections are not dropped after the final chunk (retries, the first-byte deadline and Connection: close "
-        "on streams stay on)"
+    (`unsupported_version()` first), and what the guard does without its hooks."""
+    return _version_gate(
+        ": the guard uses public API only: new connections are not probed and stream connections are not dropped "
+        "after the final chunk (retries, the first-byte deadline and Connection: close on streams stay on)"
     )
 
 
 def sessions_out_of_reach() -> str | None:
     """Why `install()` cannot add the guard to the imported aiohttp's sessions, or None. It reaches them through a
     private method (`SESSION_REQUEST_METHOD`), which only the tested versions are known to have."""
-    version = aiohttp.__version__
-    if version in TESTED_VERSIONS:
-        return None
-    return unsupported_version() or (
-        f"{_not_tested(version)}, and install() reaches sessions through a private method "
+    return _version_gate(
+        ", and install() reaches sessions through a private method "
         "(llama_guard.aiohttp.guard_session(session) guards one on aiohttp's public API)"
     )
 
 
-def _not_tested(version: str) -> str:
-    return f"aiohttp {version} is not a version llama_guard was tested with ({_tested_range()})"
+def _version_gate(consequence: str) -> str | None:
+    """None on a version in `TESTED_VERSIONS`; else `unsupported_version()`'s reason, or the version named and
+    ``consequence``. Read from ``aiohttp.__version__`` at each call, so that a test can change it."""
+    version = aiohttp.__version__
+    if version in TESTED_VERSIONS:
+        return None
+    return unsupported_version() or (
+        f"aiohttp {version} is not a version llama_guard was tested with ({_tested_range()}){consequence}"
+    )
 
 
 def _tested_range() -> str:

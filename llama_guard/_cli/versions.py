@@ -41,10 +41,10 @@ def _httpx2_gate() -> str | None:
 
 
 def _aiohttp_gate() -> str | None:
-    from .._aiohttp.internals import sessions_out_of_reach, untested_version
+    from .._aiohttp.internals import unsupported_version, untested_version
 
     why = untested_version()
-    if why is not None and sessions_out_of_reach() != why:  # untested, not unusable: install() differs from guard()
+    if why is not None and unsupported_version() is None:  # untested, not unusable: install() differs from guard()
         why += "; install() and llama-guard run leave its sessions alone"
     return why
 
