@@ -1,4 +1,5 @@
-"""Stats: thread-safe counters and a fixed-memory latency histogram whose maximum is exact."""
+"""Stats: thread-safe counters and a fixed-memory latency histogram (made by its first sample) whose maximum is
+exact."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def test_histogram_edges() -> None:
 
 def test_histogram_memory_is_fixed() -> None:
     histogram = LatencyHistogram()
+    histogram.record(0.0)
+    assert histogram._buckets is not None
     size = len(histogram._buckets)
     for index in range(100_000):
         histogram.record(index * 1e-4)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from .log import logger
+from .origin_book import OriginBook
 from .origins import Origin
 from .stats import GuardStats
 
@@ -65,6 +66,8 @@ MIN_CONNECTS = 2
 MIN_REQUESTS = 16
 # Samples kept per origin: recent ones, so a changed network is seen (the choice itself is made once).
 _WINDOW = 64
+# Choices a guard remembers by its URL's parts; more are asked of the book each time (a client of very many servers).
+_REMEMBERED = 256
 
 
 def is_loopback_host(host: str) -> bool:
@@ -125,6 +128,10 @@ class OriginConnections:
                 return False
             self._announced.add(choice)
             return True
+
+    def idle(self) -> bool:
+        """No sample under way: forgetting this origin loses only what was measured (`OriginBook`)."""
+        return self._sampling == 0
 
     def choice(self, mode: ConnectionMode, *, unix_socket: bool = False) -> ConnectionChoice:
         """The strategy for a request in ``mode`` (the policy's ``connection``), through a Unix socket or not."""
@@ -210,21 +217,16 @@ class ConnectionBook:
     it."""
 
     def __init__(self) -> None:
-        self._origins: dict[Origin, OriginConnections] = {}
-        self._lock = threading.Lock()
+        self._origins: OriginBook[OriginConnections] = OriginBook(what="the cost of a new connection measured")
 
     def of(self, origin: Origin) -> OriginConnections:
         key = origin.same_server_key()
         connections = self._origins.get(key)
-        if connections is None:
-            with self._lock:
-                connections = self._origins.setdefault(key, OriginConnections(origin))
-        return connections
+        return connections if connections is not None else self._origins.of(key, lambda: OriginConnections(origin))
 
     def forget(self) -> None:
         """Drop everything measured (tests)."""
-        with self._lock:
-            self._origins.clear()
+        self._origins.forget()
 
     def teach(
         self, origin: Origin, stats: GuardStats, *, connect_cost: float | None = None, request: float | None = None
@@ -274,7 +276,7 @@ class Strategies:
         origin = origin if origin is not None else Origin.of(scheme, host, port)
         choice = self._book.of(origin).choice(mode, unix_socket=self.unix_socket)
         self._book.announce(origin, choice, self.stats)
-        if choice.final and mode == self._mode:
+        if choice.final and mode == self._mode and len(self._chosen) < _REMEMBERED:
             self._chosen[key] = choice
         return choice
 

@@ -42,6 +42,8 @@ class Origin(NamedTuple):
         return self._replace(host="localhost") if self.host in LOOPBACK_HOSTS else self
 
     def __str__(self) -> str:
+        if not self.scheme:  # a placeholder named by its host (stats' OTHER_ORIGINS: "other")
+            return self.host
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 

@@ -49,6 +49,7 @@ from typing import Generic, Protocol, TypeVar
 import h11
 
 from .llama_server import HEALTH_PATH as PROBE_PATH
+from .origin_book import OriginBook
 from .origins import Origin
 from .policy import GuardPolicy
 from .stats import GuardStats
@@ -259,6 +260,12 @@ class OriginProbes:
         self._next_ticket = 0
         self._admitted = 0
 
+    def idle(self) -> bool:
+        """No probe, given-up connection or admission under way: forgetting this origin loses only what it taught
+        (`OriginBook`)."""
+        with self._lock:
+            return not (self._probes_pending or self._given_up or self._queue or self._in_progress)
+
     # -- the deadline ----------------------------------------------------------------------------------------------
 
     def deadline(self, policy: GuardPolicy) -> float:
@@ -426,24 +433,20 @@ class OriginProbes:
 
 
 class ProbeBook:
-    """`OriginProbes` by origin, created on first use (``scheduler``: see `OriginProbes`)."""
+    """`OriginProbes` by origin, created on first use, for at most `MAX_ORIGINS` origins (`OriginBook`)
+    (``scheduler``: see `OriginProbes`)."""
 
     def __init__(self, scheduler: _Scheduler | None = None) -> None:
-        self._lock = threading.Lock()
         self._scheduler = scheduler
-        self._origins: dict[Origin, OriginProbes] = {}
+        self._origins: OriginBook[OriginProbes] = OriginBook(what="the probe deadline learnt")
 
     def of(self, origin: Origin) -> OriginProbes:
-        probes = self._origins.get(origin)  # a dict lookup is atomic in CPython: the lock only guards creation
-        if probes is None:
-            with self._lock:
-                probes = self._origins.setdefault(origin, OriginProbes(origin, self._scheduler))
-        return probes
+        probes = self._origins.get(origin)
+        return probes if probes is not None else self._origins.of(origin, lambda: OriginProbes(origin, self._scheduler))
 
     def forget(self) -> None:
         """Drop everything learnt (tests; a process that points the same origin at a different server)."""
-        with self._lock:
-            self._origins.clear()
+        self._origins.forget()
 
 
 TurnT = TypeVar("TurnT", bound=Turn)

@@ -2,9 +2,12 @@
 
 A transport's `GuardStats` has an account per (stack, origin) (`GuardStats.of_origin`, an `OriginStats`): each
 request is counted once, on its origin's account, and the transport's stats read as their own counts plus their
-accounts'. Latencies go into a log-bucketed histogram of fixed size (about 2% resolution from 10 microseconds to a
-day), so a client that serves millions of requests keeps constant memory, while the maximum stays exact: with the
-defects this library exists for, the maximum is the figure that matters, not the average.
+accounts'. A transport counts at most `MAX_ORIGINS` origins one by one; the requests to any more are counted
+together under `OTHER_ORIGINS` (``other`` in the metrics), as OpenTelemetry's cardinality limit does, so a client of
+servers without end keeps bounded memory. Latencies go into a log-bucketed histogram of fixed size (about 2%
+resolution from 10 microseconds to a day, made by its first sample), so a client that serves millions of requests
+keeps constant memory, while the maximum stays exact: with the defects this library exists for, the maximum is the
+figure that matters, not the average.
 
 `StatsSet` holds `GuardStats` objects weakly, and keeps the counts of those that are gone (folded into retired
 totals when their owner is collected), so that the totals it reports never go down while transports come and go.
@@ -22,12 +25,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
+from .log import logger
+from .origin_book import MAX_ORIGINS
 from .origins import Origin
 
 __all__ = [
     "COUNTERS",
     "COUNTS",
     "EVERY_STATS",
+    "OTHER_ORIGINS",
     "GuardStats",
     "LatencyHistogram",
     "LatencySummary",
@@ -61,6 +67,9 @@ COUNTERS = (
 COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
 
 
+#: Where the requests to origins past `MAX_ORIGINS` are counted, by a `GuardStats` and by `StatsSet`.
+OTHER_ORIGINS = Origin("", "other", 0)
+
 _MIN_SECONDS = 1e-5
 _GROWTH = 1.02
 _BUCKETS = int(math.log(86_400 / _MIN_SECONDS, _GROWTH)) + 2
@@ -92,19 +101,22 @@ class LatencySummary:
 
 
 class LatencyHistogram:
-    """Fixed-memory latency distribution. Not locked itself: `GuardStats` holds the lock."""
+    """Bounded-memory latency distribution. Not locked itself: `GuardStats` holds the lock.
+
+    The buckets (about 9 KB) are made by the first sample: a guard keeps three of these per origin it reaches, and
+    most origins never see a probe or an admission wait (or an answer: a closed port)."""
 
     __slots__ = ("_buckets", "_max", "_total")
 
     def __init__(self) -> None:
-        self._buckets = [0] * _BUCKETS
+        self._buckets: list[int] | None = None
         self._max = 0.0
         self._total = 0.0
 
     @property
     def _count(self) -> int:
         # Not kept as a counter: recording runs for every request, reading rarely.
-        return sum(self._buckets)
+        return 0 if self._buckets is None else sum(self._buckets)
 
     def record(self, seconds: float) -> int:
         """Count a sample; returns its bucket (the first whose bound it does not exceed)."""
@@ -114,7 +126,10 @@ class LatencyHistogram:
         index = bisect_left(_RECORD_BOUNDS, seconds)
         if seconds > self._max:
             self._max = seconds
-        self._buckets[index] += 1
+        buckets = self._buckets
+        if buckets is None:
+            buckets = self._buckets = [0] * _BUCKETS
+        buckets[index] += 1
         self._total += seconds
         return index
 
@@ -123,7 +138,7 @@ class LatencyHistogram:
         if not 0 <= percent <= 100:
             raise ValueError(f"percent must be from 0 to 100; got {percent!r}")
         count = self._count
-        if count == 0:
+        if count == 0 or self._buckets is None:
             return 0.0
         rank = math.ceil(count * percent / 100) or 1
         seen = 0
@@ -136,7 +151,11 @@ class LatencyHistogram:
 
     def merge(self, other: LatencyHistogram) -> None:
         """Add ``other``'s samples to this histogram."""
+        if other._buckets is None:
+            return
         buckets = self._buckets
+        if buckets is None:
+            buckets = self._buckets = [0] * _BUCKETS
         for index, count in enumerate(other._buckets):
             if count:
                 buckets[index] += count
@@ -147,6 +166,8 @@ class LatencyHistogram:
     def buckets(self) -> list[tuple[float, int]]:
         """The non-empty buckets, in order: (upper bound in seconds, samples); a sample is at most its bound and
         above the bound of the bucket before (2% below)."""
+        if self._buckets is None:
+            return []
         return [(_MIN_SECONDS * _GROWTH**index, count) for index, count in enumerate(self._buckets) if count]
 
     @property
@@ -350,6 +371,7 @@ class GuardStats:
         self.unguarded: dict[str, str] = {}  # library -> why install() leaves it alone; see StatsSnapshot
         # The same counts per (stack, origin): `of_origin`, for llama_guard.metrics.
         self._by_origin: dict[tuple[str, Origin], OriginStats] = {}
+        self._past_max_origins = False  # past MAX_ORIGINS origins, and said so
         self.reset()
         EVERY_STATS.add(self)
 
@@ -393,7 +415,13 @@ class GuardStats:
         key = (stack, origin)
         account = self._by_origin.get(key)
         if account is None:
-            made = OriginStats(self, stack, origin)  # outside the lock, which it shares
+            if len(self._by_origin) >= MAX_ORIGINS:
+                key = _counted_together(stack, origin, "a guard", told=self._past_max_origins)
+                self._past_max_origins = True
+                account = self._by_origin.get(key)
+                if account is not None:
+                    return account
+            made = OriginStats(self, stack, key[1])  # outside the lock, which it shares
             with self._lock:
                 account = self._by_origin.setdefault(key, made)
         return account
@@ -435,8 +463,9 @@ class GuardStats:
     def record_connection_choice(self, origin: str, choice: str, *, final: bool = True) -> None:
         """The connection strategy of ``origin`` (``GuardPolicy.connection``) is ``choice`` now. A provisional one
         (``final=False``: auto still measuring) never replaces a final one: a request that read its strategy just
-        before another made the choice reports after it."""
-        if self.connection_strategies.get(origin) != choice:
+        before another made the choice reports after it. At most `MAX_ORIGINS` origins are listed, as counted."""
+        strategies = self.connection_strategies
+        if strategies.get(origin) != choice and (origin in strategies or len(strategies) < MAX_ORIGINS):
             with self._lock:
                 if final:
                     self._final_strategies.add(origin)
@@ -522,6 +551,7 @@ class OriginStats(GuardStats):
     """
 
     _by_origin: dict[tuple[str, Origin], OriginStats] = {}  # noqa: RUF012 (never filled: an account has none)
+    _past_max_origins = False  # never set, for the same reason
 
     def __init__(self, parent: GuardStats, stack: str, origin: Origin) -> None:  # no super(): see the properties
         self._parent = weakref.ref(parent)
@@ -611,6 +641,7 @@ class StatsSet:
         # The accounts of GuardStats collected since the last reading: appended by their finalizer (which may run in
         # any thread, inside a garbage collection, so it takes no lock) and folded into _retired when read.
         self._gone: list[dict[Key, OriginStats]] = []
+        self._past_max_origins = False  # past MAX_ORIGINS origins, and said so
         self._lock = threading.Lock()
         for item in stats:
             self.add(item)
@@ -659,13 +690,32 @@ class StatsSet:
         return result
 
     def _fold_gone(self) -> None:
-        """Fold the accounts of collected stats into the retired totals, one per (stack, origin). Under the lock."""
+        """Fold the accounts of collected stats into the retired totals, one per (stack, origin), at most
+        `MAX_ORIGINS` (more are counted together). Under the lock."""
         while self._gone:
             for key, gone in self._gone.pop().items():
                 retired = self._retired.get(key)
                 if retired is None:
-                    retired = self._retired[key] = OriginTotals(*key)
+                    if len(self._retired) >= MAX_ORIGINS:
+                        key = _counted_together(*key, "the guards gone", told=self._past_max_origins)
+                        self._past_max_origins = True
+                    retired = self._retired.get(key)
+                    if retired is None:
+                        retired = self._retired[key] = OriginTotals(*key)
                 retired.add(gone)
+
+
+def _counted_together(stack: str, origin: Origin, counted_by: str, *, told: bool) -> Key:
+    """The key past `MAX_ORIGINS`: `OTHER_ORIGINS`; said unless ``told`` (the counting object says it once)."""
+    if not told:
+        logger.warning(
+            "llama_guard counts the requests of at most %d origins one by one (%s reached more: %s); the requests to "
+            "any further origin are counted together as origin 'other' in stats and metrics",
+            MAX_ORIGINS,
+            counted_by,
+            origin,
+        )
+    return (stack, OTHER_ORIGINS)
 
 
 def _retire(owner: weakref.ref[StatsSet], accounts: dict[Key, OriginStats]) -> None:

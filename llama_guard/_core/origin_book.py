@@ -1,0 +1,88 @@
+"""What the process learns per origin, kept for a bounded number of origins.
+
+A gateway over pod addresses or a harness on random ports reaches origins without end; what the guard learnt about
+each (`OriginProbes`, `OriginConnections`: a few KB) would otherwise stay for the life of the process. Past
+`MAX_ORIGINS`, making an origin's entry forgets the oldest idle one: learnt again if that origin returns, as on a
+first request. An entry in use (a probe under way, a connection waiting its turn) is never forgotten.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Hashable
+from itertools import islice
+from typing import Generic, Protocol, TypeVar
+
+from .log import logger
+
+__all__ = ["MAX_ORIGINS", "OriginBook"]
+
+#: Origins an `OriginBook` keeps what it learnt about.
+MAX_ORIGINS = 1024
+# How many of the oldest entries one insertion looks at for an idle one to forget: bounded work per new origin.
+_EVICTION_SCAN = 8
+
+
+class _Forgettable(Protocol):
+    def idle(self) -> bool:
+        """Nothing under way depends on this entry: forgetting it loses only what was learnt."""
+
+
+EntryT = TypeVar("EntryT", bound=_Forgettable)
+
+
+class OriginBook(Generic[EntryT]):
+    """Entries by key, made on first use; at most ``limit`` of them while the older ones are idle. ``what``: what an
+    entry holds, for the one log line said when the book first forgets one."""
+
+    def __init__(self, *, what: str, limit: int = MAX_ORIGINS) -> None:
+        if limit < 1:
+            raise ValueError(f"limit is a number of origins, at least 1; got {limit!r}")
+        self._what = what
+        self._limit = limit
+        self._entries: dict[Hashable, EntryT] = {}
+        #: The entry of a key, or None: the dict's own method, so a lookup (once per request) runs no Python code.
+        self.get: Callable[[Hashable], EntryT | None] = self._entries.get
+        self._lock = threading.Lock()
+        self._forgot = False
+
+    def of(self, key: Hashable, make: Callable[[], EntryT]) -> EntryT:
+        """The entry of ``key``, made by ``make`` if there is none (a dict lookup is atomic in CPython: the lock
+        only guards making one)."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry
+        made = make()  # outside the lock: an entry may take locks of its own
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry
+            forgot = len(self._entries) >= self._limit and self._forget_one()
+            self._entries[key] = made
+        if forgot and not self._forgot:
+            self._forgot = True
+            logger.warning(
+                "llama_guard keeps %s for at most %d origins; past that it forgets the oldest idle origin's, and "
+                "learns it again if that origin returns",
+                self._what,
+                self._limit,
+            )
+        return made
+
+    def _forget_one(self) -> bool:
+        """Drop the oldest idle entry among the oldest few; a busy one goes to the back. Under the lock."""
+        entries = self._entries
+        for key in list(islice(entries, _EVICTION_SCAN)):
+            entry = entries.pop(key)
+            if entry.idle():
+                return True
+            entries[key] = entry
+        return False
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def forget(self) -> None:
+        """Drop every entry (tests; a process that points the same origins at different servers)."""
+        with self._lock:
+            self._entries.clear()

@@ -1,0 +1,160 @@
+"""A client of origins without end (a gateway over pod addresses, a harness on random ports) keeps bounded memory:
+what the process learns per origin is kept for at most `MAX_ORIGINS` origins, idle ones forgotten first, and a
+guard counts at most that many origins one by one, the rest together as ``other``."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llama_guard import GuardPolicy, GuardStats, GuardTransport, Origin
+from llama_guard._core.origin_book import MAX_ORIGINS, OriginBook
+from llama_guard._core.stats import OTHER_ORIGINS, LatencyHistogram, StatsSet
+from llama_guard._runtime import new_process_state
+from llama_guard.metrics import PrometheusCollector
+from tests.test_metrics import sample, scrape
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+class Entry:
+    """An entry that says whether it is idle as told."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.busy = False
+
+    def idle(self) -> bool:
+        return not self.busy
+
+
+def test_a_book_forgets_its_oldest_idle_origin_past_its_limit(caplog: pytest.LogCaptureFixture) -> None:
+    book: OriginBook[Entry] = OriginBook(what="what a test learnt", limit=3)
+    first = book.of("a", lambda: Entry("a"))
+    assert book.of("a", lambda: Entry("a again")) is first  # made once
+    book.of("b", lambda: Entry("b"))
+    book.of("c", lambda: Entry("c"))
+    with caplog.at_level(logging.WARNING, logger="llama_guard"):
+        book.of("d", lambda: Entry("d"))
+        book.of("e", lambda: Entry("e"))
+    assert len(book) == 3
+    assert book.get("a") is None
+    assert book.get("b") is None
+    assert [entry.name for entry in map(book.get, "cde") if entry is not None] == ["c", "d", "e"]
+    returned = book.of("a", lambda: Entry("a, learnt again"))
+    assert returned is not first
+    assert returned.name == "a, learnt again"
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        "llama_guard keeps what a test learnt for at most 3 origins; past that it forgets the oldest idle origin's, "
+        "and learns it again if that origin returns"
+    ]
+
+
+def test_a_book_never_forgets_an_origin_in_use() -> None:
+    book: OriginBook[Entry] = OriginBook(what="what a test learnt", limit=2)
+    busy = book.of("busy", lambda: Entry("busy"))
+    busy.busy = True
+    book.of("idle", lambda: Entry("idle"))
+    book.of("new", lambda: Entry("new"))
+    assert book.get("busy") is busy
+    assert book.get("idle") is None
+    also_busy = book.get("new")
+    assert also_busy is not None
+    also_busy.busy = True
+    book.of("newest", lambda: Entry("newest"))  # every entry busy: the book grows past its limit rather than forget
+    assert len(book) == 3
+    assert book.get("busy") is busy
+    assert book.get("new") is also_busy
+
+
+def test_a_book_limit_must_be_a_number_of_origins() -> None:
+    with pytest.raises(ValueError, match="limit is a number of origins, at least 1; got 0"):
+        OriginBook(what="anything", limit=0)
+
+
+def test_a_guard_counts_origins_past_its_limit_together(caplog: pytest.LogCaptureFixture) -> None:
+    stats = GuardStats()
+    origins = [Origin("http", f"10.0.{index // 250}.{index % 250}", 8080) for index in range(MAX_ORIGINS + 10)]
+    with caplog.at_level(logging.WARNING, logger="llama_guard"):
+        for origin in origins:
+            stats.of_origin("httpx", origin).record_request(1, 0.01, False)
+    accounts = stats.by_origin()
+    assert len(accounts) == MAX_ORIGINS + 1
+    assert accounts[("httpx", OTHER_ORIGINS)].requests == 10
+    assert stats.snapshot().requests == MAX_ORIGINS + 10  # every request counted, once
+    assert stats.of_origin("httpx", origins[0]) is accounts[("httpx", origins[0])]  # the first ones keep theirs
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 1
+    assert f"at most {MAX_ORIGINS} origins one by one" in said[0]
+    families = scrape(PrometheusCollector(sources=[stats]))
+    assert sample(families, "llama_guard_requests_total", stack="httpx", origin="other") == 10
+
+
+def test_the_totals_of_guards_gone_count_origins_past_the_limit_together() -> None:
+    watched = StatsSet()
+    for index in range(MAX_ORIGINS + 5):
+        stats = GuardStats()
+        watched.add(stats)
+        stats.of_origin("httpx", Origin("http", f"pod-{index}", 8080)).record_request(1, None, False)
+        del stats
+    gc.collect()
+    totals = watched.totals()
+    assert len(totals) == MAX_ORIGINS + 1
+    assert sum(total.counts["requests"] for total in totals.values()) == MAX_ORIGINS + 5
+    assert totals[("httpx", OTHER_ORIGINS)].counts["requests"] >= 5
+
+
+def test_a_histogram_holds_no_buckets_until_its_first_sample() -> None:
+    """Three per origin a guard reaches, most never sampled (no probe, no admission wait): 28 KB per origin, before."""
+    empty, other = LatencyHistogram(), LatencyHistogram()
+    empty.merge(LatencyHistogram())
+    assert empty._buckets is None
+    assert empty.buckets() == []
+    assert empty.summary().count == 0
+    other.record(0.25)
+    empty.merge(other)
+    assert empty.summary().count == 1
+    assert empty.summary().max == 0.25
+
+
+@pytest.fixture
+def refused_port() -> Iterator[int]:
+    """A port held on 127.0.0.1 (bound, not listening): connecting to it at any other loopback address is refused
+    at once, and no other test's server can be given it."""
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    try:
+        yield held.getsockname()[1]
+    finally:
+        held.close()
+
+
+def test_a_guard_of_origins_without_end_keeps_bounded_state(refused_port: int) -> None:
+    """One guarded client asks 1,100 loopback origins (each refused at once), with probing on: the probe book,
+    the connection book and the guard's accounts stay within the limit, and every request is counted."""
+    process = new_process_state()
+    count = MAX_ORIGINS + 76
+    transport = GuardTransport(policy=GuardPolicy(connection="reuse", max_attempts=1), process=process)
+    with httpx.Client(transport=transport, timeout=5) as client:
+        for index in range(count):
+            with pytest.raises(httpx.ConnectError):
+                client.get(f"http://127.1.{index // 250}.{index % 250 + 1}:{refused_port}/health")
+    assert len(process.probes._origins) == MAX_ORIGINS
+    assert len(process.connections._origins) == MAX_ORIGINS
+    assert len(transport.stats.by_origin()) == MAX_ORIGINS + 1
+    snap = transport.stats.snapshot()
+    assert snap.requests == count
+    assert sum(snap.errors.values()) == count
+    assert len(snap.connection_strategies) == MAX_ORIGINS
+
+
+def test_the_docs_give_the_limit() -> None:
+    for page in ("metrics.md", "how-it-works.md"):
+        assert f"at most {MAX_ORIGINS:,} origins" in (DOCS / page).read_text(), page
