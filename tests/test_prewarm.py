@@ -148,3 +148,75 @@ def test_a_streams_replacement_is_opened_ahead_and_taken(flavor: str, stream_mod
     assert on["opened"] == 6  # one per dropped stream
     assert on["used"] == 6  # each taken by the request after its stream (sequential: one connection at a time)
     assert on["probes"] == 1 + 6  # the first connection's probe, then each spare's
+
+
+_FAILED_SPARE_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    import httpx, llama_guard
+    from llama_guard.testing import DelayRelayProcess, Fault, LlamaServerEmulator
+
+    flavor = sys.argv[1]
+    policy = llama_guard.GuardPolicy(connection="reuse", stream_mode="drop")
+    with LlamaServerEmulator(host="10.77.0.1", stream_close="on_reuse", pool_bug=False) as server, DelayRelayProcess(
+        ("10.77.0.1", server.port), delay=0.005, host="10.77.0.1"
+    ) as relay:
+        url = f"http://10.77.0.1:{relay.port}/v1/chat/completions"
+        bodies = [{"messages": [], "max_tokens": 2, "stream": stream} for stream in (False, True, False)]
+
+        def arm_after_first(index):
+            if index == 1:  # the first connection is probed and kept: the next probe is the stream's spare's
+                server.inject(Fault.GARBAGE, path="/health", count=1)
+
+        if flavor == "sync":
+            transport = llama_guard.GuardTransport(policy=policy)
+            statuses = []
+            with httpx.Client(transport=transport, timeout=10) as client:
+                for index, body in enumerate(bodies):
+                    arm_after_first(index)
+                    statuses.append(client.post(url, json=body).status_code)
+        else:
+            transport = llama_guard.AsyncGuardTransport(policy=policy)
+
+            async def main():
+                statuses = []
+                async with httpx.AsyncClient(transport=transport, timeout=10) as client:
+                    for index, body in enumerate(bodies):
+                        arm_after_first(index)
+                        statuses.append((await client.post(url, json=body)).status_code)
+                return statuses
+
+            statuses = asyncio.run(main())
+        snap = transport.stats.snapshot()
+        print(json.dumps({
+            "statuses": statuses,
+            "opened": snap.spares_opened,
+            "used": snap.spares_used,
+            "failed": snap.spares_failed,
+            "faults_left": len(server.pending_faults()),
+            "completions": server.stats().completions_started,
+        }))
+    """
+)
+
+
+@needs_netns
+@pytest.mark.slow  # a subprocess per flavour across a 10 ms relay
+@pytest.mark.parametrize("flavor", ["sync", "asyncio"])
+def test_a_spare_that_fails_its_probe_is_counted_and_not_used(flavor: str) -> None:
+    """The spare opened for a stream's connection is answered garbage to its probe: it is not kept, stats say so
+    (``spares_failed``, which was a DEBUG record only), and the next request connects as usual."""
+    setup = 'ip link set lo up && ip addr add 10.77.0.1/32 dev lo && exec "$0" "$@"'
+    result = subprocess.run(
+        ["unshare", "--net", "--", "sh", "-c", setup, sys.executable, "-c", _FAILED_SPARE_SCRIPT, flavor],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(result.stdout.strip().splitlines()[-1])
+    assert data["faults_left"] == 0  # the armed garbage went to a probe
+    assert data["statuses"] == [200, 200, 200]
+    assert data["completions"] == 3
+    assert (data["opened"], data["used"], data["failed"]) == (0, 0, 1)

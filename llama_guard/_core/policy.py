@@ -151,8 +151,8 @@ class GuardPolicy:
             after the final chunk): open its replacement in the background as the stream's request goes out,
             connected, TLS'd and probed, for the pool's next connect to that origin (default True; httpx and httpx2
             transports; never on loopback or a Unix socket, through a proxy or on an HTTP/2 pool). Saves the next
-            request the connect, TLS and probe round trips across a network. ``stats.spares_opened`` and
-            ``spares_used`` count them.
+            request the connect, TLS and probe round trips across a network. ``stats.spares_opened``,
+            ``spares_used`` and ``spares_failed`` count them.
         max_attempts: attempts per request, the first included (default 4; 1 disables retries).
         max_retry_time: no new attempt starts this many seconds after the first began (default 60.0; None for
             no limit other than ``max_attempts``).

@@ -62,6 +62,7 @@ COUNTERS = (
     "stream_connections_dropped",
     "spares_opened",
     "spares_used",
+    "spares_failed",
 )
 #: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
 COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
@@ -213,10 +214,11 @@ class StatsSnapshot:
     admission_waits: int = 0
     # Of stream_connections_closed, those shut down after the final chunk (the rest went out with Connection: close).
     stream_connections_dropped: int = 0
-    # Spare connections opened and probed ahead for a dropped stream's replacement (GuardPolicy.prewarm), and those a
-    # pool then took instead of connecting.
+    # Spare connections opened and probed ahead for a dropped stream's replacement (GuardPolicy.prewarm), those a
+    # pool then took instead of connecting, and those that could not be opened or failed their probe.
     spares_opened: int = 0
     spares_used: int = 0
+    spares_failed: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     # Retries by why the attempt before failed: "stalled_connection" (a probe failed, or the first-byte deadline),
     # "dead_connection" (a pooled connection the server had closed), "status" (503/429), "connection_error".
@@ -354,6 +356,7 @@ class GuardStats:
     stream_connections_dropped = _Count()
     spares_opened = _Count()
     spares_used = _Count()
+    spares_failed = _Count()
     errors = _Summed(_tally)
     retries_by_reason = _Summed(_tally)
     first_byte = _Summed(LatencyHistogram.merge)

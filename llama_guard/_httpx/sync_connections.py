@@ -380,6 +380,7 @@ class SyncSpares:
             if not machine.done:
                 machine.next(connection.OPEN_FAILED)
             io.close()
+            plan.stats.add(spares_failed=1)
             logger.debug("spare connection to %s not kept: %s", plan.origin, exc)
         finally:
             with self._lock:

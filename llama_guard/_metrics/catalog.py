@@ -152,6 +152,13 @@ COUNTERS: tuple[Metric, ...] = (
         "{connection}",
         "Spare connections a pool took instead of connecting.",
     ),
+    _counter(
+        "spares_failed",
+        "llama_guard_spare_connections_failed",
+        "llama_guard.spare_connections.failed",
+        "{connection}",
+        "Spare connections that could not be opened or failed their probe (not kept).",
+    ),
 )
 STALL_EPISODES = Metric(
     "llama_guard_stall_episodes",
