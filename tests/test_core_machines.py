@@ -383,6 +383,41 @@ def test_the_loading_wait_paces_its_polls_and_asks_once_more_at_its_end(verdict:
     assert seen == waits
 
 
+DEAD_CONNECTION = Verdict(True, "the pooled connection was dead", backoff=False)
+
+
+@pytest.mark.parametrize(
+    ("steps", "waits"),
+    [
+        # A 503, a dead connection 0.6 s later, then 503s again: the wait goes on from its 0.6 s, not from zero, and
+        # ends at 1.2 s in 503s (t=1.2), where a fresh clock would have run on to t=1.8.
+        pytest.param(
+            [(0.0, LOADING), (0.6, DEAD_CONNECTION), (0.6, LOADING), (1.1, LOADING), (1.2, LOADING)],
+            [(0.0, 0.0), (0.6, 0.0), (0.6, 0.5), (1.1, 0.1), (1.2, None)],
+            id="resumed",
+        ),
+        # Control: the same times without the break, the same end.
+        pytest.param(
+            [(0.0, LOADING), (0.6, LOADING), (1.1, LOADING), (1.2, LOADING)],
+            [(0.0, 0.0), (0.6, 0.5), (1.1, 0.1), (1.2, None)],
+            id="unbroken",
+        ),
+    ],
+)
+def test_a_loading_wait_broken_by_another_failure_goes_on_from_where_it_was(
+    steps: list[tuple[float, Verdict]], waits: list[tuple[float, float | None]]
+) -> None:
+    """max_loading_wait=1.2 is the request's in all (before, a dead connection between two 503s started it again:
+    up to max_attempts times max_loading_wait)."""
+    pacing = RetryPacing(GuardPolicy(max_loading_wait=1.2, backoff_max=0.0), 0.0)
+    seen = []
+    for attempts, (now, verdict) in enumerate(steps, start=1):
+        pacing.follow(verdict, now)
+        wait = pacing.next_delay(verdict, attempts=attempts, probe_deadline=1.0, now=now)
+        seen.append((now, None if wait is None else round(wait, 9)))
+    assert seen == waits
+
+
 # -- one new connection's life --------------------------------------------------------------------------------------
 
 CS = connection.ConnectionState

@@ -164,7 +164,8 @@ class GuardPolicy:
             second 503 never sooner than 0.5 s, whatever ``Retry-After`` and ``backoff_max`` say), then once more
             as this time passes (unless a ``Retry-After`` asks for longer), before it hands the caller the 503
             (default 120.0; 0 returns it at once). These retries spend none of ``max_attempts`` and their time none
-            of ``max_retry_time``: loading is not a failure, and a big model takes a minute or more.
+            of ``max_retry_time``: loading is not a failure, and a big model takes a minute or more. The time is the
+            request's in all: a wait broken by another failure goes on from where it was.
         max_retry_after: the longest ``Retry-After`` the guard waits out before retrying a 503 or 429 (default
             30.0 seconds); a longer one returns the response to the caller.
         retry_non_idempotent: also retry POST/PATCH requests to endpoints other than llama-server's inference

@@ -3,9 +3,10 @@
 The request's machine (``request_machine.py``) hands each attempt's `Verdict` here (`RetryPacing.follow`) and asks
 for the seconds to wait before the next attempt (`next_delay`), None when the guard stops:
 
-- a server loading a model (a 503) is waited for up to ``max_loading_wait`` (a last attempt when it has passed),
-  polled at most every `STATUS_BACKOFF` from the request's second loading answer, and the attempts that found it
-  loading are not counted in ``max_attempts``, nor their time in ``max_retry_time``;
+- a server loading a model (a 503) is waited for up to ``max_loading_wait`` in all (a last attempt when it has
+  passed; a wait broken by another failure goes on from where it was, not from zero), polled at most every
+  `STATUS_BACKOFF` from the request's second loading answer, and the attempts that found it loading are not counted
+  in ``max_attempts``, nor their time in ``max_retry_time``;
 - any other retry is bounded by ``max_attempts`` and ``max_retry_time``;
 - the wait: an explicit ``Retry-After``; none after a dead pooled connection; else full jitter, over a window as wide
   as the probe deadline in force for a stalled connection (reconnects of one burst spread over less reach the server
@@ -33,7 +34,7 @@ STATUS_BACKOFF: Final = 0.5
 class RetryPacing:
     """The retry pace of one request: its loading wait and the retry clock, across its attempts."""
 
-    __slots__ = ("_policy", "_state", "loading_attempts", "loading_since", "retry_clock")
+    __slots__ = ("_policy", "_state", "loading_attempts", "loading_since", "loading_spent", "retry_clock")
 
     def __init__(self, policy: GuardPolicy, started: float) -> None:
         """``started``: when the guard received the request (`time.monotonic`), where ``max_retry_time`` counts
@@ -43,6 +44,7 @@ class RetryPacing:
         self._state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
         self.loading_attempts = 0  # attempts that found the server loading
         self.loading_since: float | None = None  # since when it is loading (None while it is not)
+        self.loading_spent = 0.0  # seconds of loading waits ended earlier (a 503, a dead connection, a 503 again)
         self.retry_clock = started  # moved on by the time spent waiting for the server to load
 
     def follow(self, verdict: Verdict | None, now: float) -> None:
@@ -53,6 +55,7 @@ class RetryPacing:
                 self.loading_since = now
         elif self.loading_since is not None:
             self.retry_clock += now - self.loading_since
+            self.loading_spent += now - self.loading_since
             self.loading_since = None
 
     def next_delay(self, verdict: Verdict | None, *, attempts: int, probe_deadline: float, now: float) -> float | None:
@@ -67,7 +70,7 @@ class RetryPacing:
                 # The loading wait is bounded in time, not in attempts: a server still loading is polled at most
                 # every STATUS_BACKOFF, whatever Retry-After (0, from a proxy) or backoff_max (0, in tests) say.
                 delay = max(delay, STATUS_BACKOFF)
-            left = self.loading_since + self._policy.max_loading_wait - now
+            left = self.loading_since + self._policy.max_loading_wait - self.loading_spent - now
             if left <= 0 or (verdict.delay is not None and verdict.delay >= left):  # or the server says: not by then
                 return None
             delay = min(delay, left)  # the guard's own wait: the last poll as max_loading_wait passes, not before
