@@ -97,7 +97,7 @@ def probing(request: RequestMachine, clock: Clock | None = None) -> Probing:
     machine = connection.ConnectionMachine(request.plan, clock=clock)
     opened = machine.next(connection.Opening())
     if isinstance(opened, connection.Admit):  # after a give-up the origin admits new connections one at a time
-        admission = Admission(opened.probes, opened.stats, NoTurn())
+        admission = Admission(opened.probes, opened.stats, NoTurn(), hold=opened.hold)
         assert not admission.waits  # no other connection of the test is being opened
         opened = machine.next(connection.Admitted(admission))
     assert opened is connection.OPEN, opened

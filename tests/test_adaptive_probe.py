@@ -32,7 +32,16 @@ from llama_guard._runtime.admission_turns import AsyncTurn, ThreadTurn
 from llama_guard._runtime.stall_log import StallLog
 from llama_guard.testing import Fault, LlamaServerEmulator, reset_probe_learning
 
-from ._drivers import FLAVORS, Driver, close_driver, each_asks_then_close, episode_log, make_driver, run_scenario
+from ._drivers import (
+    FLAVORS,
+    Driver,
+    close_driver,
+    each_asks_then_close,
+    episode_log,
+    make_driver,
+    run_bounded,
+    run_scenario,
+)
 from ._machines import answered, give_up, machine_for, probing
 from .test_mechanisms import CHAT, burst, chat
 
@@ -119,33 +128,63 @@ class CountedTurn:
         self.woken += 1
 
 
+#: How long a connect holds the origin's turn in the tests of the queue (the guard's: probe_timeout): longer than any
+#: test, so that a held turn is held until it is left.
+HOLD = 600.0
+
+
 def test_admission_one_at_a_time_in_order() -> None:
     """Tickets are admitted in the order taken, one at a time; a waiting ticket can give its place up."""
     probes = OriginProbes(ORIGIN)
     first, second, third = (probes.take_ticket(CountedTurn()) for _ in range(3))
-    assert not probes.admit(second)
-    assert probes.admit(first)
-    assert not probes.admit(second)  # the first is still being opened
+    assert not probes.admit(second, HOLD)
+    assert probes.admit(first, HOLD)
+    assert not probes.admit(second, HOLD)  # the first is still being opened
     probes.leave(second)  # cancelled while waiting
     probes.leave(first)
-    assert probes.admit(third)
+    assert probes.admit(third, HOLD)
     assert probes.waiting() == 0
 
 
+def test_a_connect_holds_the_turn_for_its_hold_and_a_probe_until_it_leaves() -> None:
+    """A connection admitted and still connecting keeps the others waiting for its hold only (the guard's:
+    probe_timeout); once its connect returned (`connected`), it holds the turn through its probe, until it leaves.
+    Holds of 0 and of 600 s stand for a hold passed and one not: no clock is waited on."""
+    probes = OriginProbes(ORIGIN)
+    hung, second, third = (probes.take_ticket(CountedTurn()) for _ in range(3))
+    assert probes.admit(hung, 0.0)  # its hold is over at once: its connect never returns
+    assert probes.hold_ends_in(second) == 0.0
+    assert probes.admit(second, HOLD)  # goes while the hung connect is still under way
+    assert probes.opening() == 2
+    ends_in = probes.hold_ends_in(third)
+    assert ends_in is not None
+    assert HOLD - 60 < ends_in <= HOLD  # the head times its wait on the connect ahead
+    probes.connected(second)  # connected: probing now
+    assert probes.hold_ends_in(third) is None  # a probe wakes the head when it leaves
+    assert not probes.admit(third, HOLD)
+    probes.leave(second)
+    assert probes.admit(third, HOLD)  # the hung connect, past its hold, keeps nobody waiting
+    probes.leave(hung)
+    probes.leave(third)
+    assert (probes.waiting(), probes.opening(), probes.admitted()) == (0, 0, 3)
+
+
 def test_leave_wakes_only_the_connection_whose_turn_may_have_come() -> None:
-    """The head of the queue is woken when the connection ahead is probed or a place ahead is given up; the
-    others sleep on."""
+    """The head of the queue is woken when it becomes the head (to time its wait on the connect ahead, which holds
+    the turn for its hold only), when the connection ahead is probed, or a place ahead is given up; the others
+    sleep on."""
     probes = OriginProbes(ORIGIN)
     turns = [CountedTurn() for _ in range(4)]
     tickets = [probes.take_ticket(turn) for turn in turns]
-    assert probes.admit(tickets[0])
+    assert probes.admit(tickets[0], HOLD)
+    assert [t.woken for t in turns] == [0, 1, 0, 0]  # the new head
     probes.leave(tickets[2])  # a place behind the head given up: nobody's turn changed
-    assert [t.woken for t in turns] == [0, 0, 0, 0]
-    probes.leave(tickets[0])  # probed: the next in the queue may go
     assert [t.woken for t in turns] == [0, 1, 0, 0]
+    probes.leave(tickets[0])  # probed: the next in the queue may go
+    assert [t.woken for t in turns] == [0, 2, 0, 0]
     probes.leave(tickets[1])  # the head gives its place up (timed out): the one behind it is now first
-    assert [t.woken for t in turns] == [0, 1, 0, 1]
-    assert probes.admit(tickets[3])
+    assert [t.woken for t in turns] == [0, 2, 0, 1]
+    assert probes.admit(tickets[3], HOLD)
     probes.leave(tickets[3])
     assert (probes.waiting(), probes.opening(), probes.admitted()) == (0, 0, 2)
 
@@ -156,7 +195,7 @@ def test_waiters_in_other_threads_and_event_loops_are_woken() -> None:
     missed wake-up leaves a waiter asleep until its 30 s bound, and the test fails."""
     probes = OriginProbes(ORIGIN)
     holder = probes.take_ticket(CountedTurn())
-    assert probes.admit(holder)
+    assert probes.admit(holder, HOLD)
     order: list[str] = []
     results: dict[str, bool] = {}
 
@@ -167,11 +206,11 @@ def test_waiters_in_other_threads_and_event_loops_are_woken() -> None:
         return came
 
     def sync_waiter() -> None:
-        admission = Admission(probes, GuardStats(), ThreadTurn())
+        admission = Admission(probes, GuardStats(), ThreadTurn(), hold=HOLD)
         results["sync"] = admitted("sync", admission, sync_drive._wait_for_turn(admission, 30.0))
 
     async def async_waiter(name: str) -> None:
-        admission = Admission(probes, GuardStats(), AsyncTurn())
+        admission = Admission(probes, GuardStats(), AsyncTurn(), hold=HOLD)
         results[name] = admitted(name, admission, await async_drive._wait_for_turn(admission, 30.0))
 
     threads = [
@@ -472,7 +511,8 @@ class HeldTurn:
     def __init__(self, probes: OriginProbes) -> None:
         self.probes = probes
         self.ticket = probes.take_ticket(ThreadTurn())
-        assert probes.admit(self.ticket)
+        assert probes.admit(self.ticket, HOLD)
+        probes.connected(self.ticket)  # held through its probe: a connect alone holds the turn for its hold only
 
     def release(self) -> None:
         self.probes.leave(self.ticket)  # wakes the first waiter, in its own thread or event loop
@@ -555,6 +595,95 @@ def test_admission_wait_is_bounded_by_the_connect_timeout(flavor: str) -> None:
     assert "waited 0.3 s (the connect timeout)" in str(waited.error)
     assert driver.stats.admission_waits == 0  # it was never admitted
     assert accepted == 0
+
+
+class HangingBackend(httpcore.NetworkBackend):
+    """A backend whose connects hang, as a SYN nobody answers, until the test releases them."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def connect_tcp(self, *args: Any, **kwargs: Any) -> Any:
+        self.entered.set()
+        self.release.wait(60)
+        return self._backend.connect_tcp(*args, **kwargs)
+
+    def sleep(self, seconds: float) -> None:
+        self._backend.sleep(seconds)
+
+
+class AsyncHangingBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self, backend: Any, hanging: HangingBackend) -> None:
+        self._backend = backend
+        self._hanging = hanging
+
+    async def connect_tcp(self, *args: Any, **kwargs: Any) -> Any:
+        self._hanging.entered.set()
+        await anyio.to_thread.run_sync(self._hanging.release.wait, 60)
+        return await self._backend.connect_tcp(*args, **kwargs)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
+NO_CONNECT_TIMEOUT = httpx.Timeout(30.0, connect=None)
+
+
+async def request_without_connect_timeout(
+    flavor: str, url: str, policy: GuardPolicy, hanging: HangingBackend | None
+) -> GuardStats:
+    """One request from a guarded client of its own, connect timeout None; ``hanging``: its connects hang first."""
+    if flavor == "sync":
+        inner = httpx.HTTPTransport()
+        if hanging is not None:
+            inner._pool._network_backend = hanging
+        transport = llama_guard.GuardTransport(inner, policy=policy)
+        with httpx.Client(transport=transport, timeout=NO_CONNECT_TIMEOUT) as client:
+            await anyio.to_thread.run_sync(lambda: client.post(url + CHAT, json=chat(stream=False)).raise_for_status())
+        return transport.stats
+    ainner = httpx.AsyncHTTPTransport()
+    if hanging is not None:
+        ainner._pool._network_backend = AsyncHangingBackend(ainner._pool._network_backend, hanging)
+    atransport = llama_guard.AsyncGuardTransport(ainner, policy=policy)
+    async with httpx.AsyncClient(transport=atransport, timeout=NO_CONNECT_TIMEOUT) as aclient:
+        (await aclient.post(url + CHAT, json=chat(stream=False))).raise_for_status()
+    return atransport.stats
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_a_connect_that_hangs_holds_the_turn_no_longer_than_probe_timeout(flavor: str) -> None:
+    """connect_admission: a new connection whose connect hangs (no connect timeout: only the OS bounds it, about
+    2 minutes) holds its origin's turn for probe_timeout, not until the OS gives up: the connection queued behind
+    it is admitted, opened, probed and served while the first still hangs. Before, it waited for the hung connect
+    (here, until the test's 20 s bound released it)."""
+    policy = GuardPolicy(connection="reuse", connect_admission="always", max_attempts=1, probe_timeout=0.5)
+    with LlamaServerEmulator(pool_bug=False) as server:
+        hanging = HangingBackend(httpcore.SyncBackend())
+        first, finished = scenario_in_thread(
+            flavor, request_without_connect_timeout, flavor, server.url, policy, hanging
+        )
+        try:
+            wait_until(lambda: hanging.entered.is_set() or not first.is_alive(), "the first connect starts")
+            assert origin_of(server).opening() == 1, finished  # admitted: the turn is the hung connect's
+            stats = run_bounded(
+                flavor,
+                request_without_connect_timeout,
+                flavor,
+                server.url,
+                policy,
+                None,
+                deadline=20.0,
+                on_hang=hanging.release.set,
+            )
+            assert not hanging.release.is_set()  # served while the first connect still hung
+        finally:
+            hanging.release.set()
+            first.join(60)
+        assert "error" not in finished, finished
+    assert stats.snapshot().admission_waits == 1  # it waited for the turn, then took it
+    assert finished["result"].snapshot().requests == 1  # the hung one, released, is served too
 
 
 @pytest.mark.parametrize("flavor", FLAVORS)

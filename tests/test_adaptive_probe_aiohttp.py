@@ -114,7 +114,8 @@ class HeldTurn:
     def __init__(self, probes: OriginProbes) -> None:
         self.probes = probes
         self.ticket = probes.take_ticket(ThreadTurn())
-        assert probes.admit(self.ticket)
+        assert probes.admit(self.ticket, 600.0)
+        probes.connected(self.ticket)  # held through its probe: a connect alone holds the turn for its hold only
 
     def release(self) -> None:
         self.probes.leave(self.ticket)

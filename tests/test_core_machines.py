@@ -602,7 +602,7 @@ def connection_event(made: Connection, event: Any) -> Any:
     """The events that need the machine's own objects: its admission, the watch of its given-up connection."""
     if event == "admitted" or event == "not admitted":
         plan = made.request.plan
-        admission = Admission(plan.origin_probes, plan.stats, NoTurn())
+        admission = Admission(plan.origin_probes, plan.stats, NoTurn(), hold=plan.policy.probe_timeout)
         return connection.Admitted(admission) if event == "admitted" else connection.NotAdmitted(admission, 1.0)
     if event == "watched":
         return watched()
@@ -716,7 +716,7 @@ def test_an_admitted_probe_holds_the_turn_no_longer_than_probe_timeout(kicks: bo
     made = probing(request_machine)  # admitted: the turn is its own
     assert made.write.timeout == (1.0 if failed_probes else 0.5)
     machine, clock = made.machine, made.clock
-    queued = Admission(plan.origin_probes, plan.stats, NoTurn())
+    queued = Admission(plan.origin_probes, plan.stats, NoTurn(), hold=policy.probe_timeout)
     assert queued.waits
     machine.next(connection.WRITTEN)
     seen: list[tuple[float, bool, str]] = []

@@ -230,6 +230,7 @@ class Admit:
 
     probes: Any  # the origin's OriginProbes
     stats: Any  # where the wait is counted
+    hold: float  # how long a connect that has not returned holds the turn (Admission)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,7 +400,7 @@ class ConnectionMachine:
         probes = self._probes = process.probes.of(origin)
         if self._probing and event.admits and not event.tls_later and probes.admission_needed(plan.policy):
             self.state = ConnectionState.ADMITTING
-            return Admit(probes, plan.stats)
+            return Admit(probes, plan.stats, plan.policy.probe_timeout)
         self.state = ConnectionState.OPENING
         return OPEN
 
@@ -417,6 +418,8 @@ class ConnectionMachine:
         return Abort("raised", "")
 
     def _on_opened(self, event: Opened | TlsDone) -> ConnectionAction:
+        if self._admission is not None and isinstance(event, Opened):
+            self._admission.connected()
         if self._tls_later and isinstance(event, Opened):
             self.state = ConnectionState.AWAITING_TLS
             return AWAIT_TLS

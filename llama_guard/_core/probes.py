@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -223,6 +224,7 @@ class OriginProbes:
     __slots__ = (
         "_admitted",
         "_answers",
+        "_connecting",
         "_given_up",
         "_in_progress",
         "_kicked_before",
@@ -257,6 +259,9 @@ class OriginProbes:
         self._queue: collections.deque[int] = collections.deque()
         self._turns: dict[int, Turn] = {}  # how to wake each waiting ticket
         self._in_progress: set[int] = set()
+        # Of those, the ones whose connect has not returned yet, and until when each holds the turn: a connect that
+        # hangs (its SYN unanswered) holds it no longer than `admit`'s ``hold``.
+        self._connecting: dict[int, float] = {}
         self._next_ticket = 0
         self._admitted = 0
 
@@ -390,17 +395,44 @@ class OriginProbes:
             self._turns[ticket] = turn
             return ticket
 
-    def admit(self, ticket: int) -> bool:
+    def admit(self, ticket: int, hold: float) -> bool:
         """True (once) when ``ticket`` may open its connection: it is first in the queue and no other connection
-        to the origin is being opened and probed. `leave` must follow, whatever happens."""
+        to the origin is being opened and probed, or each that is has been connecting for ``hold`` seconds or more
+        (a connect that hangs does not keep the queue waiting on the OS's bound). `leave` must follow, whatever
+        happens; `connected` when its connect returns."""
+        now = time.monotonic()
         with self._lock:
-            if self._in_progress or not self._queue or self._queue[0] != ticket:
+            if not self._queue or self._queue[0] != ticket or self._held(now):
                 return False
             self._queue.popleft()
             self._turns.pop(ticket, None)
             self._in_progress.add(ticket)
+            self._connecting[ticket] = now + hold
             self._admitted += 1
-            return True
+            turn = self._turns.get(self._queue[0]) if self._queue else None
+        if turn is not None:
+            turn.wake()  # the new head times its wait on this connect's hold now (`hold_ends_in`)
+        return True
+
+    def _held(self, now: float) -> bool:
+        """Whether a connection being opened (within its hold) or probed keeps the turn. Under the lock."""
+        connecting = self._connecting
+        return any(now < connecting.get(ticket, math.inf) for ticket in self._in_progress)
+
+    def hold_ends_in(self, ticket: int) -> float | None:
+        """For the head of the queue while every connection ahead is still connecting: the seconds until the last
+        of them stops holding the turn (when `admit` lets ``ticket`` go); else None (a connection being probed
+        wakes the head when it leaves)."""
+        with self._lock:
+            if not self._queue or self._queue[0] != ticket or not self._in_progress:
+                return None
+            until = max(self._connecting.get(holder, math.inf) for holder in self._in_progress)
+            return None if until == math.inf else max(0.0, until - time.monotonic())
+
+    def connected(self, ticket: int) -> None:
+        """The connect of ``ticket``'s connection returned: it holds the turn through its probe now."""
+        with self._lock:
+            self._connecting.pop(ticket, None)
 
     def leave(self, ticket: int) -> None:
         """The connection of ``ticket`` is probed (answered or given up), failed, or its request was cancelled (or
@@ -408,11 +440,13 @@ class OriginProbes:
         with self._lock:
             if ticket in self._in_progress:
                 self._in_progress.discard(ticket)
+                self._connecting.pop(ticket, None)
             else:
                 self._turns.pop(ticket, None)
                 with contextlib.suppress(ValueError):
                     self._queue.remove(ticket)
-            turn = self._turns.get(self._queue[0]) if self._queue and not self._in_progress else None
+            head_may_go = self._queue and not self._held(time.monotonic())
+            turn = self._turns.get(self._queue[0]) if head_may_go else None
         if turn is not None:
             turn.wake()  # outside the lock: an asyncio or trio waker schedules a call on the waiter's loop
 
@@ -455,22 +489,33 @@ TurnT = TypeVar("TurnT", bound=Turn)
 class Admission(Generic[TurnT]):
     """A new connection's place in its origin's queue (``connect_admission``): taken before it is opened, left once
     it is probed (`leave`, whatever happened). ``waits``: it was not admitted at once; the drive loop then waits on
-    ``turn`` (made in its own thread or event loop) until `admitted`, bounded by the connect timeout and leaving if
-    cancelled, then reports `waited`; a wait that timed out fails the connect with `timeout_message`."""
+    ``turn`` (made in its own thread or event loop) until `admitted`, bounded by the connect timeout and by
+    `hold_ends_in`, and leaving if cancelled, then reports `waited`; a wait that timed out fails the connect with
+    `timeout_message`. ``hold``: how long a connect that has not returned holds the turn (the policy's
+    ``probe_timeout``: a connect is one round trip, less than a probe's)."""
 
-    __slots__ = ("_probes", "_started", "_stats", "_ticket", "turn", "waits")
+    __slots__ = ("_hold", "_probes", "_started", "_stats", "_ticket", "turn", "waits")
 
-    def __init__(self, probes: OriginProbes, stats: GuardStats, turn: TurnT) -> None:
+    def __init__(self, probes: OriginProbes, stats: GuardStats, turn: TurnT, *, hold: float) -> None:
         self._probes = probes
         self._stats = stats
+        self._hold = hold
         self.turn = turn
         self._ticket = probes.take_ticket(turn)
-        self.waits = not probes.admit(self._ticket)
+        self.waits = not probes.admit(self._ticket, hold)
         self._started = time.monotonic()
 
     def admitted(self) -> bool:
         """Whether its turn has come (asked again after each wake-up of ``turn``)."""
-        return self._probes.admit(self._ticket)
+        return self._probes.admit(self._ticket, self._hold)
+
+    def hold_ends_in(self) -> float | None:
+        """Seconds until the connects ahead stop holding the turn, if that is what it waits for (else None)."""
+        return self._probes.hold_ends_in(self._ticket)
+
+    def connected(self) -> None:
+        """Its connect returned: the turn is held through the probe now."""
+        self._probes.connected(self._ticket)
 
     def waited(self, admitted: bool) -> bool:
         """The wait for the turn ended: ``admitted``, and counted (`GuardStats.record_admission_wait`), or timed out,

@@ -144,7 +144,7 @@ async def advance_connection(
 async def _admit(action: connection.Admit, timeout: float | None) -> connection.Admitted | connection.NotAdmitted:
     """A place in the origin's queue, and the wait for its turn: woken by the connection ahead once it is probed (or
     gives its place up), in whatever thread or event loop that runs; the turn is made here, in the waiter's own."""
-    admission = Admission(action.probes, action.stats, AsyncTurn())
+    admission = Admission(action.probes, action.stats, AsyncTurn(), hold=action.hold)
     if admission.waits and not admission.waited(await _wait_for_turn(admission, timeout)):
         return connection.NotAdmitted(admission, timeout)
     return connection.Admitted(admission)
@@ -163,6 +163,9 @@ async def _wait_for_turn(admission: Admission[AsyncTurn], timeout: float | None)
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
+            hold_ends = admission.hold_ends_in()  # a connect ahead that hangs lets this one go after its hold
+            if hold_ends is not None and (remaining is None or hold_ends < remaining):
+                remaining = hold_ends
             await turn.wait(remaining)
     except BaseException:
         admission.leave()

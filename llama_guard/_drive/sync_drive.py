@@ -143,7 +143,7 @@ def advance_connection(
 def _admit(action: connection.Admit, timeout: float | None) -> connection.Admitted | connection.NotAdmitted:
     """A place in the origin's queue, and the wait for its turn: woken by the connection ahead once it is probed (or
     gives its place up), in whatever thread or event loop that runs; the turn is made here, in the waiter's own."""
-    admission = Admission(action.probes, action.stats, ThreadTurn())
+    admission = Admission(action.probes, action.stats, ThreadTurn(), hold=action.hold)
     if admission.waits and not admission.waited(_wait_for_turn(admission, timeout)):
         return connection.NotAdmitted(admission, timeout)
     return connection.Admitted(admission)
@@ -162,6 +162,9 @@ def _wait_for_turn(admission: Admission[ThreadTurn], timeout: float | None) -> b
             remaining = None if end is None else end - time.monotonic()
             if remaining is not None and remaining <= 0:
                 return False
+            hold_ends = admission.hold_ends_in()  # a connect ahead that hangs lets this one go after its hold
+            if hold_ends is not None and (remaining is None or hold_ends < remaining):
+                remaining = hold_ends
             turn.wait(remaining)
     except BaseException:
         admission.leave()
