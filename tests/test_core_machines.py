@@ -356,6 +356,18 @@ def test_a_loading_server_is_waited_for_without_spending_attempts() -> None:
     assert isinstance(machine.next(request.ERROR_BODY_READ), request.Deliver)
 
 
+def paced(steps: list[tuple[float, Verdict]]) -> list[tuple[float, float | None]]:
+    """(now, wait) after each (now, verdict) of one request, max_loading_wait=1.2 and no backoff: the clock is given,
+    not read (no sleeping); None is the end (the caller gets the 503)."""
+    pacing = RetryPacing(GuardPolicy(max_loading_wait=1.2, backoff_max=0.0), 0.0)
+    seen: list[tuple[float, float | None]] = []
+    for attempts, (now, verdict) in enumerate(steps, start=1):
+        pacing.follow(verdict, now)
+        wait = pacing.next_delay(verdict, attempts=attempts, probe_deadline=1.0, now=now)
+        seen.append((now, None if wait is None else round(wait, 9)))
+    return seen
+
+
 LOADING = Verdict(True, "server loading a model", status=True, loading=True)
 LOADING_NOW = Verdict(True, "server loading a model", delay=0.0, status=True, loading=True)
 LOADING_LATER = Verdict(True, "server loading a model", delay=0.8, status=True, loading=True)
@@ -374,13 +386,7 @@ LOADING_LATER = Verdict(True, "server loading a model", delay=0.8, status=True, 
 def test_the_loading_wait_paces_its_polls_and_asks_once_more_at_its_end(verdict: Verdict, waits: list[Any]) -> None:
     """(now, wait) for each loading answer of one request, max_loading_wait=1.2: None is the end (the caller gets
     the 503). The clock is given, not read: no sleeping."""
-    pacing = RetryPacing(GuardPolicy(max_loading_wait=1.2, backoff_max=0.0), 0.0)
-    seen = []
-    for attempts, (now, _) in enumerate(waits, start=1):
-        pacing.follow(verdict, now)
-        wait = pacing.next_delay(verdict, attempts=attempts, probe_deadline=1.0, now=now)
-        seen.append((now, None if wait is None else round(wait, 9)))
-    assert seen == waits
+    assert paced([(now, verdict) for now, _ in waits]) == waits
 
 
 DEAD_CONNECTION = Verdict(True, "the pooled connection was dead", backoff=False)
@@ -409,13 +415,7 @@ def test_a_loading_wait_broken_by_another_failure_goes_on_from_where_it_was(
 ) -> None:
     """max_loading_wait=1.2 is the request's in all (before, a dead connection between two 503s started it again:
     up to max_attempts times max_loading_wait)."""
-    pacing = RetryPacing(GuardPolicy(max_loading_wait=1.2, backoff_max=0.0), 0.0)
-    seen = []
-    for attempts, (now, verdict) in enumerate(steps, start=1):
-        pacing.follow(verdict, now)
-        wait = pacing.next_delay(verdict, attempts=attempts, probe_deadline=1.0, now=now)
-        seen.append((now, None if wait is None else round(wait, 9)))
-    assert seen == waits
+    assert paced(steps) == waits
 
 
 # -- one new connection's life --------------------------------------------------------------------------------------
