@@ -9,7 +9,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from typing import cast
 
+import httpcore
 import httpx
 import pytest
 
@@ -220,3 +222,19 @@ def test_a_spare_that_fails_its_probe_is_counted_and_not_used(flavor: str) -> No
     assert data["statuses"] == [200, 200, 200]
     assert data["completions"] == 3
     assert (data["opened"], data["used"], data["failed"]) == (0, 0, 1)
+
+
+
+def test_spares_past_their_idle_time_are_taken_out_whatever_their_origin() -> None:
+    """A spare is closed when its origin's next connect looks, and now also when any spare is opened after it has
+    waited SPARE_IDLE: a client of many origins, or one that goes quiet, keeps no descriptor open per origin it once
+    streamed from. (Before, only its own origin's next connect closed it.)"""
+    from llama_guard._httpx.sync_connections import SPARE_IDLE, SyncSpares
+
+    spares = SyncSpares(httpcore.SyncBackend())
+    now = 1_000.0
+    stale, also_stale, fresh = (cast("httpcore.NetworkStream", object()) for _ in range(3))
+    spares._ready[("10.0.0.1", 8080)] = [(now - SPARE_IDLE - 0.1, stale)]
+    spares._ready[("10.0.0.2", 8080)] = [(now - SPARE_IDLE, also_stale), (now - 0.1, fresh)]
+    assert spares._take_stale(now) == [stale, also_stale]
+    assert spares._ready == {("10.0.0.2", 8080): [(now - 0.1, fresh)]}  # an origin with none left is forgotten

@@ -339,6 +339,8 @@ class AsyncSpares:
                         taken = stream
                     else:
                         stale.append(stream)
+                if not ready:
+                    self._ready.pop(key, None)
                 if taken is None and self._opening.get(key, 0) and (end is None or now < end):
                     turn = AsyncTurn()
                     self._waiting.setdefault(key, []).append(turn)
@@ -385,16 +387,35 @@ class AsyncSpares:
         finally:
             with self._lock:
                 self._opening[key] -= 1
+                if not self._opening[key]:
+                    del self._opening[key]
                 kept = spare is not None and not self._closed
                 if spare is not None and kept:
                     self._ready.setdefault(key, []).append((time.monotonic(), spare))
                 waiting = self._waiting.pop(key, [])
+                stale = self._take_stale(time.monotonic())
             for turn in waiting:
                 turn.wake()
+            for stream in stale:
+                await stream.aclose()
         if spare is not None and not kept:
             await spare.aclose()
         elif spare is not None:
             plan.stats.add(spares_opened=1)
+
+    def _take_stale(self, now: float) -> list[httpcore.AsyncNetworkStream]:
+        """Take out the spares of every origin that waited `SPARE_IDLE` (for the caller to close): a spare is
+        otherwise closed only when its origin's next connect looks, and a client of many origins, or one that goes
+        quiet, would keep a descriptor open for each. Under the lock."""
+        stale: list[httpcore.AsyncNetworkStream] = []
+        for key, ready in list(self._ready.items()):
+            fresh = [(made, stream) for made, stream in ready if now - made < SPARE_IDLE]
+            stale.extend(stream for made, stream in ready if now - made >= SPARE_IDLE)
+            if fresh:
+                self._ready[key] = fresh
+            else:
+                del self._ready[key]
+        return stale
 
     async def aclose(self) -> None:
         """Close every spare (the pool's transport closes)."""
