@@ -224,7 +224,6 @@ def test_a_spare_that_fails_its_probe_is_counted_and_not_used(flavor: str) -> No
     assert (data["opened"], data["used"], data["failed"]) == (0, 0, 1)
 
 
-
 def test_spares_past_their_idle_time_are_taken_out_whatever_their_origin() -> None:
     """A spare is closed when its origin's next connect looks, and now also when any spare is opened after it has
     waited SPARE_IDLE: a client of many origins, or one that goes quiet, keeps no descriptor open per origin it once
