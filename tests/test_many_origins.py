@@ -24,17 +24,21 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 class Entry:
-    """An entry that says whether it is idle as told."""
+    """An entry that says whether it is in use, or was used lately, as told."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.busy = False
+        self.lately = False
 
-    def idle(self) -> bool:
-        return not self.busy
+    def in_use(self) -> bool:
+        return self.busy
+
+    def used_lately(self) -> bool:
+        return self.lately
 
 
-def test_a_book_forgets_its_oldest_idle_origin_past_its_limit(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_book_forgets_its_oldest_quiet_origin_past_its_limit(caplog: pytest.LogCaptureFixture) -> None:
     book: OriginBook[Entry] = OriginBook(what="what a test learnt", limit=3)
     first = book.of("a", lambda: Entry("a"))
     assert book.of("a", lambda: Entry("a again")) is first  # made once
@@ -45,16 +49,35 @@ def test_a_book_forgets_its_oldest_idle_origin_past_its_limit(caplog: pytest.Log
         book.of("e", lambda: Entry("e"))
     assert len(book) == 3
     assert book.get("a") is None
-    assert book.get("b") is None
+    assert book.get("b") is None  # the oldest went first
     assert [entry.name for entry in map(book.get, "cde") if entry is not None] == ["c", "d", "e"]
     returned = book.of("a", lambda: Entry("a, learnt again"))
     assert returned is not first
     assert returned.name == "a, learnt again"
     said = [record.getMessage() for record in caplog.records]
     assert said == [
-        "llama_guard keeps what a test learnt for at most 3 origins; past that it forgets the oldest idle origin's, "
-        "and learns it again if that origin returns"
+        "llama_guard keeps what a test learnt for at most 3 origins; past that it forgets an older origin's (a quiet "
+        "one first), and learns it again if that origin returns"
     ]
+
+
+def test_a_book_forgets_an_origin_used_lately_only_when_no_quieter_one_can_go() -> None:
+    """A second chance: the busy origin a stream of new ones passes by keeps what it taught; when every origin
+    looked at was used lately, the oldest goes all the same (the limit holds)."""
+    book: OriginBook[Entry] = OriginBook(what="what a test learnt", limit=2)
+    hot = book.of("hot", lambda: Entry("hot"))
+    hot.lately = True
+    book.of("quiet", lambda: Entry("quiet"))
+    book.of("new", lambda: Entry("new"))
+    assert book.get("hot") is hot
+    assert book.get("quiet") is None
+    also_lately = book.get("new")
+    assert also_lately is not None
+    also_lately.lately = True
+    book.of("newest", lambda: Entry("newest"))  # both used lately: the oldest of them goes
+    assert len(book) == 2
+    assert book.get("hot") is None
+    assert book.get("new") is also_lately
 
 
 def test_a_book_never_forgets_an_origin_in_use() -> None:

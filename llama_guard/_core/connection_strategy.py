@@ -129,9 +129,14 @@ class OriginConnections:
             self._announced.add(choice)
             return True
 
-    def idle(self) -> bool:
-        """No sample under way: forgetting this origin loses only what was measured (`OriginBook`)."""
-        return self._sampling == 0
+    def in_use(self) -> bool:
+        """A sample under way (`OriginBook` keeps it)."""
+        return self._sampling > 0
+
+    def used_lately(self) -> bool:
+        """Never a reason to keep it: a guard remembers the choices it uses, and measuring again costs a few probed
+        connections (`OriginBook`)."""
+        return False
 
     def choice(self, mode: ConnectionMode, *, unix_socket: bool = False) -> ConnectionChoice:
         """The strategy for a request in ``mode`` (the policy's ``connection``), through a Unix socket or not."""

@@ -2,8 +2,9 @@
 
 A gateway over pod addresses or a harness on random ports reaches origins without end; what the guard learnt about
 each (`OriginProbes`, `OriginConnections`: a few KB) would otherwise stay for the life of the process. Past
-`MAX_ORIGINS`, making an origin's entry forgets the oldest idle one: learnt again if that origin returns, as on a
-first request. An entry in use (a probe under way, a connection waiting its turn) is never forgotten.
+`MAX_ORIGINS`, making an origin's entry forgets an older one: learnt again if that origin returns, as on a first
+request. One used within `IDLE_AFTER` goes only when none of the oldest few is quieter (a second chance, as the CLOCK
+page-replacement algorithm gives); one in use (a probe under way, a connection waiting its turn) is never forgotten.
 """
 
 from __future__ import annotations
@@ -15,17 +16,23 @@ from typing import Generic, Protocol, TypeVar
 
 from .log import logger
 
-__all__ = ["MAX_ORIGINS", "OriginBook"]
+__all__ = ["IDLE_AFTER", "MAX_ORIGINS", "OriginBook"]
 
 #: Origins an `OriginBook` keeps what it learnt about.
 MAX_ORIGINS = 1024
+#: An origin used within this many seconds is forgotten only when no older, quieter one can be: a busy origin keeps
+#: what it taught while a stream of new ones passes through.
+IDLE_AFTER = 60.0
 # How many of the oldest entries one insertion looks at for an idle one to forget: bounded work per new origin.
 _EVICTION_SCAN = 8
 
 
 class _Forgettable(Protocol):
-    def idle(self) -> bool:
-        """Nothing under way depends on this entry: forgetting it loses only what was learnt."""
+    def in_use(self) -> bool:
+        """Something under way depends on this entry: it must not be forgotten."""
+
+    def used_lately(self) -> bool:
+        """Used within `IDLE_AFTER`: forgotten only when no quieter entry can be."""
 
 
 EntryT = TypeVar("EntryT", bound=_Forgettable)
@@ -62,22 +69,30 @@ class OriginBook(Generic[EntryT]):
         if forgot and not self._forgot:
             self._forgot = True
             logger.warning(
-                "llama_guard keeps %s for at most %d origins; past that it forgets the oldest idle origin's, and "
-                "learns it again if that origin returns",
+                "llama_guard keeps %s for at most %d origins; past that it forgets an older origin's (a quiet one "
+                "first), and learns it again if that origin returns",
                 self._what,
                 self._limit,
             )
         return made
 
     def _forget_one(self) -> bool:
-        """Drop the oldest idle entry among the oldest few; a busy one goes to the back. Under the lock."""
+        """Drop one of the oldest few entries: the oldest quiet one, else the oldest not in use; those looked at and
+        kept go to the back. False if every one is in use (the book then grows past its limit). Under the lock."""
         entries = self._entries
+        fallback: Hashable | None = None
         for key in list(islice(entries, _EVICTION_SCAN)):
             entry = entries.pop(key)
-            if entry.idle():
-                return True
+            if not entry.in_use():
+                if not entry.used_lately():
+                    return True
+                if fallback is None:
+                    fallback = key
             entries[key] = entry
-        return False
+        if fallback is None:
+            return False
+        del entries[fallback]
+        return True
 
     def __len__(self) -> int:
         return len(self._entries)

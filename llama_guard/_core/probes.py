@@ -50,7 +50,7 @@ from typing import Generic, Protocol, TypeVar
 import h11
 
 from .llama_server import HEALTH_PATH as PROBE_PATH
-from .origin_book import OriginBook
+from .origin_book import IDLE_AFTER, OriginBook
 from .origins import Origin
 from .policy import GuardPolicy
 from .stats import GuardStats
@@ -229,6 +229,7 @@ class OriginProbes:
         "_in_progress",
         "_kicked_before",
         "_last_given_up",
+        "_last_probe",
         "_lock",
         "_next_ticket",
         "_probes_pending",
@@ -264,12 +265,16 @@ class OriginProbes:
         self._connecting: dict[int, float] = {}
         self._next_ticket = 0
         self._admitted = 0
+        self._last_probe = time.monotonic()  # when a probe last started (or the origin was first met)
 
-    def idle(self) -> bool:
-        """No probe, given-up connection or admission under way: forgetting this origin loses only what it taught
-        (`OriginBook`)."""
+    def in_use(self) -> bool:
+        """A probe, a given-up connection's watch or an admission under way (`OriginBook` keeps it)."""
         with self._lock:
-            return not (self._probes_pending or self._given_up or self._queue or self._in_progress)
+            return bool(self._probes_pending or self._given_up or self._queue or self._in_progress)
+
+    def used_lately(self) -> bool:
+        """A probe started within `IDLE_AFTER` (`OriginBook` forgets a quieter origin first)."""
+        return time.monotonic() - self._last_probe < IDLE_AFTER
 
     # -- the deadline ----------------------------------------------------------------------------------------------
 
@@ -295,6 +300,7 @@ class OriginProbes:
         with self._lock:
             self._probes_started += 1
             self._probes_pending.add(self._probes_started)
+            self._last_probe = time.monotonic()
             return self._probes_started
 
     def probe_answered(self, seconds: float, number: int) -> None:
