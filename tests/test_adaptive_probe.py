@@ -506,7 +506,7 @@ async def lazy_burst(flavor: str, url: str, policy: GuardPolicy, counter: OpenCo
 
 
 class HeldTurn:
-    """The turn of an origin's new connections, held by the test as a connection being opened would hold it."""
+    """The turn of an origin's new connections, held by the test as a connection being probed holds it."""
 
     def __init__(self, probes: OriginProbes) -> None:
         self.probes = probes

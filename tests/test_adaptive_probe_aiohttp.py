@@ -109,7 +109,7 @@ def test_probe_answered_late_is_counted_and_raises_the_deadline() -> None:
 
 
 class HeldTurn:
-    """The origin's turn for new connections, held by the test as a connection being opened would hold it."""
+    """The origin's turn for new connections, held by the test as a connection being probed holds it."""
 
     def __init__(self, probes: OriginProbes) -> None:
         self.probes = probes
