@@ -17,6 +17,7 @@ from llama_guard import GuardPolicy, GuardStats, GuardTransport, Origin
 from llama_guard._core.origin_book import MAX_ORIGINS, OriginBook
 from llama_guard._core.stats import OTHER_ORIGINS, LatencyHistogram, StatsSet
 from llama_guard._runtime import new_process_state
+from llama_guard._runtime.stall_log import StallLog
 from llama_guard.metrics import PrometheusCollector
 from tests.test_metrics import sample, scrape
 
@@ -181,3 +182,23 @@ def test_a_guard_of_origins_without_end_keeps_bounded_state(refused_port: int) -
 def test_the_docs_give_the_limit() -> None:
     for page in ("metrics.md", "how-it-works.md"):
         assert f"at most {MAX_ORIGINS:,} origins" in (DOCS / page).read_text(), page
+
+
+def test_the_stall_episodes_of_origins_past_the_limit_are_counted_together() -> None:
+    """The episodes the metrics show per origin (llama_guard_stall_episodes_total) are kept for at most
+    MAX_ORIGINS origins, the rest under 'other', as the guards' counts are."""
+    log = StallLog(episode=600.0)
+    origins = [Origin("http", f"pod-{index}", 8080) for index in range(MAX_ORIGINS + 3)]
+    try:
+        for origin in origins:
+            log.replaced(origin, "a stalled connection replaced")
+        episodes = log.episodes()
+    finally:
+        logging.disable(logging.WARNING)
+        try:
+            log.flush()
+        finally:
+            logging.disable(logging.NOTSET)
+    assert len(episodes) == MAX_ORIGINS + 1
+    assert episodes[OTHER_ORIGINS] == 3
+    assert sum(episodes.values()) == len(origins)

@@ -10,7 +10,9 @@ import threading
 import time
 
 from .._core.log import logger
+from .._core.origin_book import MAX_ORIGINS
 from .._core.origins import Origin
+from .._core.stats import OTHER_ORIGINS
 
 __all__ = ["EPISODE_SECONDS", "StallLog"]
 
@@ -54,7 +56,9 @@ class StallLog:
             if origin in self._timers:
                 return
             self._started[origin] = time.monotonic()
-            self._episodes[origin] = self._episodes.get(origin, 0) + 1
+            episodes = self._episodes
+            counted = origin if origin in episodes or len(episodes) < MAX_ORIGINS else OTHER_ORIGINS  # as the stats
+            episodes[counted] = episodes.get(counted, 0) + 1
             timer = self._timers[origin] = threading.Timer(self._episode, self.flush, args=(origin,))
             timer.daemon = True
         timer.start()
