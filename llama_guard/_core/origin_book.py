@@ -5,6 +5,7 @@ each (`OriginProbes`, `OriginConnections`: a few KB) would otherwise stay for th
 `MAX_ORIGINS`, making an origin's entry forgets an older one: learnt again if that origin returns, as on a first
 request. One used within `IDLE_AFTER` goes only when none of the oldest few is quieter (a second chance, as the CLOCK
 page-replacement algorithm gives); one in use (a probe under way, a connection waiting its turn) is never forgotten.
+A request that looked an entry up just before it was forgotten uses it to its end; the next request gets the new one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ MAX_ORIGINS = 1024
 #: An origin used within this many seconds is forgotten only when no older, quieter one can be: a busy origin keeps
 #: what it taught while a stream of new ones passes through.
 IDLE_AFTER = 60.0
-# How many of the oldest entries one insertion looks at for an idle one to forget: bounded work per new origin.
+# How many of the oldest entries one insertion looks at for one to forget: bounded work per new origin.
 _EVICTION_SCAN = 8
 
 
@@ -39,8 +40,8 @@ EntryT = TypeVar("EntryT", bound=_Forgettable)
 
 
 class OriginBook(Generic[EntryT]):
-    """Entries by key, made on first use; at most ``limit`` of them while the older ones are idle. ``what``: what an
-    entry holds, for the one log line said when the book first forgets one."""
+    """Entries by key, made on first use; at most ``limit`` of them unless the oldest are all in use. ``what``: what
+    an entry holds, for the one log line said when the book first forgets one."""
 
     def __init__(self, *, what: str, limit: int = MAX_ORIGINS) -> None:
         if limit < 1:
