@@ -180,7 +180,7 @@ def test_a_guard_of_origins_without_end_keeps_bounded_state(refused_port: int) -
 
 
 def test_the_docs_give_the_limit() -> None:
-    for page in ("metrics.md", "how-it-works.md"):
+    for page in ("metrics.md", "how-it-works.md", "configuration.md"):
         assert f"at most {MAX_ORIGINS:,} origins" in (DOCS / page).read_text(), page
 
 
