@@ -202,3 +202,25 @@ def test_the_stall_episodes_of_origins_past_the_limit_are_counted_together() -> 
     assert len(episodes) == MAX_ORIGINS + 1
     assert episodes[OTHER_ORIGINS] == 3
     assert sum(episodes.values()) == len(origins)
+
+
+def test_an_origins_series_keeps_its_label_once_its_guard_is_gone() -> None:
+    """The exporters name at most MAX_ORIGINS (stack, origin)s, given at first sight for good: an origin counted on
+    its own while its guard lives stays on its own once the guard is gone, and one that came past the limit stays
+    under 'other', its guard live or gone. (Before, a gone guard's origin past the limit of retired ones moved from
+    its own series to 'other': a series that vanished, and 'other' jumping.)"""
+    watched = StatsSet()
+    keep = []
+    for index in range(MAX_ORIGINS + 2):
+        stats = GuardStats()
+        watched.add(stats)
+        stats.of_origin("httpx", Origin("http", f"pod-{index}", 8080)).record_request(1, None, False)
+        keep.append(stats)
+    live = watched.totals()
+    assert len(live) == MAX_ORIGINS + 1
+    assert live[("httpx", OTHER_ORIGINS)].counts["requests"] == 2
+    keep.clear()
+    gc.collect()
+    assert {key: total.counts["requests"] for key, total in watched.totals().items()} == {
+        key: total.counts["requests"] for key, total in live.items()
+    }

@@ -644,6 +644,8 @@ class StatsSet:
         # The accounts of GuardStats collected since the last reading: appended by their finalizer (which may run in
         # any thread, inside a garbage collection, so it takes no lock) and folded into _retired when read.
         self._gone: list[dict[Key, OriginStats]] = []
+        # The (stack, origin)s exported under their own labels, at most MAX_ORIGINS: given at first sight, for good.
+        self._exported: set[Key] = set()
         self._past_max_origins = False  # past MAX_ORIGINS origins, and said so
         self._lock = threading.Lock()
         for item in stats:
@@ -675,7 +677,7 @@ class StatsSet:
         return dict(sorted(found.items()))
 
     def totals(self) -> dict[Key, OriginTotals]:
-        """Per (stack, origin): the counts of every followed `GuardStats`, live or gone."""
+        """Per (stack, origin) as exported (`label_of`): the counts of every followed `GuardStats`, live or gone."""
         result: dict[Key, OriginTotals] = {}
         with self._lock:
             self._fold_gone()
@@ -686,25 +688,40 @@ class StatsSet:
         for stats in live:
             strategies = getattr(stats, "connection_strategies", None)
             for key, account in stats.by_origin().items():
-                totals = result.get(key)
+                label = self.label_of(key)
+                totals = result.get(label)
                 if totals is None:
-                    totals = result[key] = OriginTotals(*key)
+                    totals = result[label] = OriginTotals(*label)
                 totals.add(account, strategies)
         return result
 
+    def label_of(self, key: Key) -> Key:
+        """The (stack, origin) the counts of ``key`` are exported under, for good: its own while fewer than
+        `MAX_ORIGINS` are, else `OTHER_ORIGINS` (counted together, as OpenTelemetry's cardinality limit does). A
+        series never moves: an origin's counts stay its own once its guards are gone."""
+        with self._lock:
+            return self._label_of(key)
+
+    def _label_of(self, key: Key) -> Key:
+        """`label_of`, under the lock."""
+        if key in self._exported or key[1] == OTHER_ORIGINS:
+            return key
+        if len(self._exported) < MAX_ORIGINS:
+            self._exported.add(key)
+            return key
+        label = _counted_together(*key, "the guards of the process", told=self._past_max_origins)
+        self._past_max_origins = True
+        return label
+
     def _fold_gone(self) -> None:
-        """Fold the accounts of collected stats into the retired totals, one per (stack, origin), at most
-        `MAX_ORIGINS` (more are counted together). Under the lock."""
+        """Fold the accounts of collected stats into the retired totals, one per (stack, origin) as exported
+        (`label_of`). Under the lock."""
         while self._gone:
             for key, gone in self._gone.pop().items():
-                retired = self._retired.get(key)
+                label = self._label_of(key)
+                retired = self._retired.get(label)
                 if retired is None:
-                    if len(self._retired) >= MAX_ORIGINS:
-                        key = _counted_together(*key, "the guards gone", told=self._past_max_origins)
-                        self._past_max_origins = True
-                    retired = self._retired.get(key)
-                    if retired is None:
-                        retired = self._retired[key] = OriginTotals(*key)
+                    retired = self._retired[label] = OriginTotals(*label)
                 retired.add(gone)
 
 
