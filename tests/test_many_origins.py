@@ -62,40 +62,31 @@ def test_a_book_forgets_its_oldest_quiet_origin_past_its_limit(caplog: pytest.Lo
     ]
 
 
-def test_a_book_forgets_an_origin_used_lately_only_when_no_quieter_one_can_go() -> None:
-    """A second chance: the busy origin a stream of new ones passes by keeps what it taught; when every origin
-    looked at was used lately, the oldest goes all the same (the limit holds)."""
+@pytest.mark.parametrize(
+    ("mark", "first_kept", "size"),
+    [
+        # A second chance: the busy origin a stream of new ones passes by keeps what it taught; when every origin
+        # looked at was used lately, the oldest goes all the same (the limit holds).
+        ("lately", False, 2),
+        # In use: never forgotten; when every entry is, the book grows past its limit rather than forget one.
+        ("busy", True, 3),
+    ],
+)
+def test_a_book_forgets_a_quiet_origin_first_and_never_one_in_use(mark: str, first_kept: bool, size: int) -> None:
     book: OriginBook[Entry] = OriginBook(what="what a test learnt", limit=2)
-    hot = book.of("hot", lambda: Entry("hot"))
-    hot.lately = True
+    first = book.of("first", lambda: Entry("first"))
+    setattr(first, mark, True)
     book.of("quiet", lambda: Entry("quiet"))
     book.of("new", lambda: Entry("new"))
-    assert book.get("hot") is hot
+    assert book.get("first") is first  # the quiet one went in its place
     assert book.get("quiet") is None
-    also_lately = book.get("new")
-    assert also_lately is not None
-    also_lately.lately = True
-    book.of("newest", lambda: Entry("newest"))  # both used lately: the oldest of them goes
-    assert len(book) == 2
-    assert book.get("hot") is None
-    assert book.get("new") is also_lately
-
-
-def test_a_book_never_forgets_an_origin_in_use() -> None:
-    book: OriginBook[Entry] = OriginBook(what="what a test learnt", limit=2)
-    busy = book.of("busy", lambda: Entry("busy"))
-    busy.busy = True
-    book.of("idle", lambda: Entry("idle"))
-    book.of("new", lambda: Entry("new"))
-    assert book.get("busy") is busy
-    assert book.get("idle") is None
-    also_busy = book.get("new")
-    assert also_busy is not None
-    also_busy.busy = True
-    book.of("newest", lambda: Entry("newest"))  # every entry busy: the book grows past its limit rather than forget
-    assert len(book) == 3
-    assert book.get("busy") is busy
-    assert book.get("new") is also_busy
+    new = book.get("new")
+    assert new is not None
+    setattr(new, mark, True)
+    book.of("newest", lambda: Entry("newest"))  # no quiet one left to forget
+    assert len(book) == size
+    assert (book.get("first") is first) is first_kept
+    assert book.get("new") is new
 
 
 def test_a_book_limit_must_be_a_number_of_origins() -> None:
