@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from .log import logger
-from .origin_book import OriginBook
+from .origin_book import REMEMBERED_BY_URL, OriginBook
 from .origins import Origin
 from .stats import GuardStats
 
@@ -66,8 +66,6 @@ MIN_CONNECTS = 2
 MIN_REQUESTS = 16
 # Samples kept per origin: recent ones, so a changed network is seen (the choice itself is made once).
 _WINDOW = 64
-# Choices a guard remembers by its URL's parts; more are asked of the book each time (a client of very many servers).
-_REMEMBERED = 256
 
 
 def is_loopback_host(host: str) -> bool:
@@ -281,7 +279,7 @@ class Strategies:
         origin = origin if origin is not None else Origin.of(scheme, host, port)
         choice = self._book.of(origin).choice(mode, unix_socket=self.unix_socket)
         self._book.announce(origin, choice, self.stats)
-        if choice.final and mode == self._mode and len(self._chosen) < _REMEMBERED:
+        if choice.final and mode == self._mode and len(self._chosen) < REMEMBERED_BY_URL:
             self._chosen[key] = choice
         return choice
 

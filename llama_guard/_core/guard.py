@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar, overload
 from .connection_strategy import ConnectionChoice, Strategies, is_loopback_host
 from .decisions import Verdict, first_attempt_goes_as_is, wants_stream
 from .log import describe_request
+from .origin_book import REMEMBERED_BY_URL
 from .origins import Origin, OriginRegistry
 from .policy import GuardPolicy
 from .probes import GivenUpWatches, OriginProbes
@@ -42,9 +43,6 @@ class Accounts:
 
     __slots__ = ("_known", "_stack", "_stats")
 
-    #: Origins remembered by their URL's parts; more are looked up each time (a client of very many servers).
-    MAX_REMEMBERED = 256
-
     def __init__(self, stats: GuardStats, stack: str) -> None:
         """``stack``: the name counts are kept under (``"httpx"``, ``"httpx2"``, ``"aiohttp"``, ``"requests"``)."""
         self._stats = stats
@@ -58,7 +56,7 @@ class Accounts:
             account = self._stats.of_origin(
                 self._stack, origin if origin is not None else Origin.of(scheme, host, port)
             )
-            if len(self._known) < self.MAX_REMEMBERED:
+            if len(self._known) < REMEMBERED_BY_URL:
                 self._known[scheme, host, port] = account
         return account
 
@@ -194,7 +192,7 @@ class Guard:
                 adds_deadline=policy.first_byte_timeout is not None,
                 hooks_follow=hooks_follow,
             )
-            if overrides is None and connection.final and len(self._routes) < Accounts.MAX_REMEMBERED:
+            if overrides is None and connection.final and len(self._routes) < REMEMBERED_BY_URL:
                 # The route's answer for a body that can be sent again: the rest of the question is the same for
                 # every request of the route (the guard's policy; hooks_follow, a fixed trait of the driver).
                 replayable_as_is = first_attempt_goes_as_is(

@@ -17,13 +17,16 @@ from typing import Generic, Protocol, TypeVar
 
 from .log import logger
 
-__all__ = ["IDLE_AFTER", "MAX_ORIGINS", "OriginBook"]
+__all__ = ["IDLE_AFTER", "MAX_ORIGINS", "REMEMBERED_BY_URL", "OriginBook"]
 
 #: Origins an `OriginBook` keeps what it learnt about.
 MAX_ORIGINS = 1024
 #: An origin used within this many seconds is forgotten only when no older, quieter one can be: a busy origin keeps
 #: what it taught while a stream of new ones passes through.
 IDLE_AFTER = 60.0
+#: Origins a guard remembers by its URL's parts as its HTTP library spells them (its accounts, routes and connection
+#: choices: one dict lookup per request); more are looked up each time (a client of very many servers).
+REMEMBERED_BY_URL = 256
 # How many of the oldest entries one insertion looks at for one to forget: bounded work per new origin.
 _EVICTION_SCAN = 8
 
