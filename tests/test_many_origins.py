@@ -45,9 +45,12 @@ def test_a_book_forgets_its_oldest_quiet_origin_past_its_limit(caplog: pytest.Lo
     assert book.of("a", lambda: Entry("a again")) is first  # made once
     book.of("b", lambda: Entry("b"))
     book.of("c", lambda: Entry("c"))
+    forgotten: list[str] = []
     with caplog.at_level(logging.WARNING, logger="llama_guard"):
-        book.of("d", lambda: Entry("d"))
-        book.of("e", lambda: Entry("e"))
+        book.of("d", lambda: Entry("d"), forgot=lambda: forgotten.append("for d"))
+        book.of("e", lambda: Entry("e"), forgot=lambda: forgotten.append("for e"))
+        book.of("e", lambda: Entry("e again"), forgot=lambda: forgotten.append("for e again"))  # there: none
+    assert forgotten == ["for d", "for e"]  # each counted where it happened (stats.origins_forgotten)
     assert len(book) == 3
     assert book.get("a") is None
     assert book.get("b") is None  # the oldest went first
@@ -58,7 +61,7 @@ def test_a_book_forgets_its_oldest_quiet_origin_past_its_limit(caplog: pytest.Lo
     said = [record.getMessage() for record in caplog.records]
     assert said == [
         "llama_guard keeps what a test learnt for at most 3 origins; past that it forgets an older origin's (a quiet "
-        "one first), and learns it again if that origin returns"
+        "one first), and learns it again if that origin returns (stats.origins_forgotten counts them)"
     ]
 
 
@@ -168,6 +171,8 @@ def test_a_guard_of_origins_without_end_keeps_bounded_state(refused_port: int) -
     assert snap.requests == count
     assert sum(snap.errors.values()) == count
     assert len(snap.connection_strategies) == MAX_ORIGINS
+    # Each origin past the limit made each book forget one: in stats, not only in the log.
+    assert snap.origins_forgotten == 2 * (count - MAX_ORIGINS)
 
 
 def test_the_docs_give_the_limit() -> None:

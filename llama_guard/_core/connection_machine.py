@@ -391,13 +391,13 @@ class ConnectionMachine:
         if not plan.connection.final:  # auto measures: only the connections that take a sample are probed
             self._measures = True
             if probing:
-                sample = process.connections.of(origin)
+                sample = process.connections.of(origin, plan.stats)
                 if sample.start_sample():
                     self._sample = sample
                 else:  # its connect alone would read cheaper than the probed samples: it teaches nothing
                     probing = self._measures = False
         self._probing = probing
-        probes = self._probes = process.probes.of(origin)
+        probes = self._probes = process.probes.of(origin, plan.stats)
         if self._probing and event.admits and not event.tls_later and probes.admission_needed(plan.policy):
             self.state = ConnectionState.ADMITTING
             return Admit(probes, plan.stats, plan.policy.probe_timeout)

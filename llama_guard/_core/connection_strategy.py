@@ -222,10 +222,14 @@ class ConnectionBook:
     def __init__(self) -> None:
         self._origins: OriginBook[OriginConnections] = OriginBook(what="the cost of a new connection measured")
 
-    def of(self, origin: Origin) -> OriginConnections:
+    def of(self, origin: Origin, stats: GuardStats | None = None) -> OriginConnections:
+        """``origin``'s entry; ``stats``: the account that counts an older origin forgotten to make room for it."""
         key = origin.same_server_key()
         connections = self._origins.get(key)
-        return connections if connections is not None else self._origins.of(key, lambda: OriginConnections(origin))
+        if connections is not None:
+            return connections
+        forgot = None if stats is None else stats.count_origin_forgotten
+        return self._origins.of(key, lambda: OriginConnections(origin), forgot=forgot)
 
     def forget(self) -> None:
         """Drop everything measured (tests)."""
@@ -236,7 +240,7 @@ class ConnectionBook:
     ) -> None:
         """Teach ``origin``'s ``"auto"`` strategy a new connection's cost or a request's time; a choice it makes is
         announced (`announce`)."""
-        connections = self.of(origin)
+        connections = self.of(origin, stats)
         decided = connections.connected(connect_cost) if connect_cost is not None else None
         if request is not None:
             decided = connections.answered(request) or decided
@@ -246,7 +250,7 @@ class ConnectionBook:
     def announce(self, origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
         """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
         stats.record_connection_choice(str(origin), str(choice), final=choice.final)
-        if choice.final and self.of(origin).first_announcement(choice):
+        if choice.final and self.of(origin, stats).first_announcement(choice):
             logger.info("llama_guard: connections to %s: %s", origin, choice)
 
 
@@ -277,7 +281,7 @@ class Strategies:
             if choice is not None:
                 return choice
         origin = origin if origin is not None else Origin.of(scheme, host, port)
-        choice = self._book.of(origin).choice(mode, unix_socket=self.unix_socket)
+        choice = self._book.of(origin, self.stats).choice(mode, unix_socket=self.unix_socket)
         self._book.announce(origin, choice, self.stats)
         if choice.final and mode == self._mode and len(self._chosen) < REMEMBERED_BY_URL:
             self._chosen[key] = choice

@@ -275,7 +275,7 @@ class RequestPlan:
     @property
     def origin_probes(self) -> OriginProbes:
         """The probe deadline in force and the admission of new connections for this request's origin."""
-        return self.guard.process.probes.of(self.origin)
+        return self.guard.process.probes.of(self.origin, self.stats)
 
     @property
     def description(self) -> str:

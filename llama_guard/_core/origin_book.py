@@ -55,11 +55,11 @@ class OriginBook(Generic[EntryT]):
         #: The entry of a key, or None: the dict's own method, so a lookup (once per request) runs no Python code.
         self.get: Callable[[Hashable], EntryT | None] = self._entries.get
         self._lock = threading.Lock()
-        self._forgot = False
+        self._said = False
 
-    def of(self, key: Hashable, make: Callable[[], EntryT]) -> EntryT:
+    def of(self, key: Hashable, make: Callable[[], EntryT], *, forgot: Callable[[], object] | None = None) -> EntryT:
         """The entry of ``key``, made by ``make`` if there is none (a dict lookup is atomic in CPython: the lock
-        only guards making one)."""
+        only guards making one). ``forgot`` is called when making it forgot an older entry (to count it in stats)."""
         entry = self._entries.get(key)
         if entry is not None:
             return entry
@@ -68,13 +68,17 @@ class OriginBook(Generic[EntryT]):
             entry = self._entries.get(key)
             if entry is not None:
                 return entry
-            forgot = len(self._entries) >= self._limit and self._forget_one()
+            forgotten = len(self._entries) >= self._limit and self._forget_one()
             self._entries[key] = made
-        if forgot and not self._forgot:
-            self._forgot = True
+        if not forgotten:
+            return made
+        if forgot is not None:
+            forgot()
+        if not self._said:
+            self._said = True
             logger.warning(
                 "llama_guard keeps %s for at most %d origins; past that it forgets an older origin's (a quiet one "
-                "first), and learns it again if that origin returns",
+                "first), and learns it again if that origin returns (stats.origins_forgotten counts them)",
                 self._what,
                 self._limit,
             )

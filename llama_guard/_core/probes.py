@@ -480,9 +480,13 @@ class ProbeBook:
         self._scheduler = scheduler
         self._origins: OriginBook[OriginProbes] = OriginBook(what="the probe deadline learnt")
 
-    def of(self, origin: Origin) -> OriginProbes:
+    def of(self, origin: Origin, stats: GuardStats | None = None) -> OriginProbes:
+        """``origin``'s entry; ``stats``: the account that counts an older origin forgotten to make room for it."""
         probes = self._origins.get(origin)
-        return probes if probes is not None else self._origins.of(origin, lambda: OriginProbes(origin, self._scheduler))
+        if probes is not None:
+            return probes
+        forgot = None if stats is None else stats.count_origin_forgotten
+        return self._origins.of(origin, lambda: OriginProbes(origin, self._scheduler), forgot=forgot)
 
     def forget(self) -> None:
         """Drop everything learnt (tests; a process that points the same origin at a different server)."""

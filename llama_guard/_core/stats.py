@@ -63,6 +63,7 @@ COUNTERS = (
     "spares_opened",
     "spares_used",
     "spares_failed",
+    "origins_forgotten",
 )
 #: The whole-number counters of a `GuardStats` that are kept per origin (``passthrough`` counts other origins).
 COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
@@ -219,6 +220,9 @@ class StatsSnapshot:
     spares_opened: int = 0
     spares_used: int = 0
     spares_failed: int = 0
+    # Older origins' learnt state (probe deadline, connection cost) the process forgot to make room for this
+    # origin's, past MAX_ORIGINS origins: learnt again if they return.
+    origins_forgotten: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     # Retries by why the attempt before failed: "stalled_connection" (a probe failed, or the first-byte deadline),
     # "dead_connection" (a pooled connection the server had closed), "status" (503/429), "connection_error".
@@ -357,6 +361,7 @@ class GuardStats:
     spares_opened = _Count()
     spares_used = _Count()
     spares_failed = _Count()
+    origins_forgotten = _Count()
     errors = _Summed(_tally)
     retries_by_reason = _Summed(_tally)
     first_byte = _Summed(LatencyHistogram.merge)
@@ -399,6 +404,10 @@ class GuardStats:
         with self._lock:
             for name, value in increments.items():
                 counts[name] += value
+
+    def count_origin_forgotten(self) -> None:
+        """The process forgot what it learnt about an older origin to make room for this account's (`OriginBook`)."""
+        self.add(origins_forgotten=1)
 
     def add_error(self, kind: str) -> None:
         with self._lock:

@@ -159,6 +159,14 @@ COUNTERS: tuple[Metric, ...] = (
         "{connection}",
         "Spare connections that could not be opened or failed their probe (not kept).",
     ),
+    _counter(
+        "origins_forgotten",
+        "llama_guard_origins_forgotten",
+        "llama_guard.origins.forgotten",
+        "{origin}",
+        "Older origins whose learnt probe deadline or connection cost the process forgot to make room for this one "
+        "(past 1,024 origins; learnt again if they return).",
+    ),
 )
 STALL_EPISODES = Metric(
     "llama_guard_stall_episodes",
