@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import logging
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -220,3 +221,73 @@ def test_an_origins_series_keeps_its_label_once_its_guard_is_gone() -> None:
     assert {key: total.counts["requests"] for key, total in watched.totals().items()} == {
         key: total.counts["requests"] for key, total in live.items()
     }
+
+
+class EpisodeLines(logging.Handler):
+    """The stall episodes' WARNING lines as they come, and an event set once ``expected`` have come."""
+
+    def __init__(self, expected: int) -> None:
+        super().__init__(logging.WARNING)
+        self.expected = expected
+        self.lines: list[str] = []
+        self.all_came = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "stalled connection" in record.getMessage() and "//pod-" in record.getMessage():
+            self.lines.append(record.getMessage())
+            if len(self.lines) >= self.expected:
+                self.all_came.set()
+
+
+def stall_timers() -> int:
+    return sum(isinstance(thread, threading.Timer) for thread in threading.enumerate())
+
+
+def test_a_burst_that_stalls_many_origins_runs_one_timer_thread() -> None:
+    """A gateway's burst stalls connections to many origins at once: each origin's episode ends in its own WARNING,
+    timed by one thread for the process (there was one thread per origin: 300 threads for this burst)."""
+    origins = [Origin("http", f"pod-{index}", 8080) for index in range(300)]
+    log = StallLog(episode=0.2)
+    lines = EpisodeLines(len(origins))
+    logger = logging.getLogger("llama_guard")
+    logger.addHandler(lines)
+    before = stall_timers()
+    try:
+        for origin in origins:
+            log.replaced(origin, "a stalled connection replaced")
+            log.replaced(origin, "another of the same episode")  # the episode under way: no new one
+        during = stall_timers()
+        assert lines.all_came.wait(timeout=30), f"{len(lines.lines)} of {len(origins)} episode lines came"
+    finally:
+        logger.removeHandler(lines)
+        log.flush()
+    assert during - before == 1
+    assert sorted(lines.lines) == sorted(
+        f"replaced 2 stalled connections to {origin} in the last 0.2 s (llama-server before b11737 did not read "
+        "them; no request was lost; each one at DEBUG level on the 'llama_guard' logger)"
+        for origin in origins
+    )
+    assert log.episodes() == dict.fromkeys(origins, 1)
+
+
+def test_an_origin_that_stalls_again_after_its_episode_opens_another() -> None:
+    """An episode ended (logged) and its origin stalls again: a new episode, counted and logged in its turn, with
+    the timer armed again after the flush."""
+    origin = Origin("http", "pod-again", 8080)
+    log = StallLog(episode=0.05)
+    lines = EpisodeLines(2)
+    logger = logging.getLogger("llama_guard")
+    logger.addHandler(lines)
+    try:
+        log.replaced(origin, "the first episode's")
+        log.flush(origin)
+        log.rescued(origin, "the second episode's")
+        assert lines.all_came.wait(timeout=30), lines.lines
+    finally:
+        logger.removeHandler(lines)
+        log.flush()
+    assert [line.split(" in the last")[0] for line in lines.lines] == [
+        "replaced 1 stalled connection to http://pod-again:8080",
+        "rescued 1 stalled connection to http://pod-again:8080",
+    ]
+    assert log.episodes() == {origin: 2}

@@ -1,7 +1,8 @@
 """Stalled connections rescued or replaced, counted per origin and logged once per episode.
 
 The process's (``ProcessState.stalls``): the first stalled connection of a burst opens an episode, and a timer
-thread logs one WARNING for it a little later, so that the line comes even if the process sends nothing more.
+thread logs one WARNING for it a little later, so that the line comes even if the process sends nothing more. One
+timer thread at a time serves every origin (a gateway's burst may stall many at once).
 """
 
 from __future__ import annotations
@@ -24,14 +25,16 @@ EPISODE_SECONDS = 2.0
 class StallLog:
     """Stalled connections rescued by a kick or replaced, counted per origin and logged once per episode: the first
     of them opens an episode, and ``episode`` seconds later one WARNING says how many there were (a timer thread,
-    so that the line comes even if the process sends nothing more)."""
+    so that the line comes even if the process sends nothing more: one for the process, however many origins have
+    an episode under way)."""
 
     def __init__(self, episode: float = EPISODE_SECONDS) -> None:
         self._episode = episode
         self._lock = threading.Lock()
         self._counts: dict[Origin, dict[str, int]] = {}
-        self._timers: dict[Origin, threading.Timer] = {}
+        # When each episode under way began, oldest first (one length for all: the order they end in).
         self._started: dict[Origin, float] = {}
+        self._timer: threading.Timer | None = None  # armed for the oldest episode's end while any is under way
         self._episodes: dict[Origin, int] = {}  # episodes begun per origin, for the metrics
 
     def episodes(self) -> dict[Origin, int]:
@@ -53,32 +56,67 @@ class StallLog:
         with self._lock:
             counts = self._counts.setdefault(origin, {})
             counts[what] = counts.get(what, 0) + 1
-            if origin in self._timers:
+            if origin in self._started:
                 return
             self._started[origin] = time.monotonic()
             episodes = self._episodes
             counted = origin if origin in episodes or len(episodes) < MAX_ORIGINS else OTHER_ORIGINS  # as the stats
             episodes[counted] = episodes.get(counted, 0) + 1
-            timer = self._timers[origin] = threading.Timer(self._episode, self.flush, args=(origin,))
-            timer.daemon = True
-        timer.start()
+            timer = None if self._timer is not None else self._arm(self._episode)
+        if timer is not None:
+            timer.start()
+
+    def _arm(self, delay: float) -> threading.Timer:
+        """The timer that ends the oldest episode, ``delay`` from now (started by the caller, out of the lock).
+        Under the lock."""
+        timer = threading.Timer(delay, lambda: self._end_due(timer))
+        timer.daemon = True
+        self._timer = timer
+        return timer
+
+    def _end_due(self, mine: threading.Timer) -> None:
+        """The timer's: log the episodes that have lasted ``episode``, then wait for the next one to end."""
+        now = time.monotonic()
+        with self._lock:
+            if mine is not self._timer:  # cancelled by a flush too late to stop it; another may be armed since
+                return
+            self._timer = None
+            due = []
+            for origin, started in self._started.items():
+                if now - started < self._episode:
+                    break
+                due.append(origin)
+            ended = self._end(due, now)
+            oldest = next(iter(self._started.values()), None)
+            timer = None if oldest is None else self._arm(max(0.0, oldest + self._episode - now))
+        if timer is not None:
+            timer.start()
+        self._say(ended, now)
 
     def flush(self, origin: Origin | None = None) -> None:
         """Log the episode of ``origin`` now (of every origin if None), and end it."""
         now = time.monotonic()
         with self._lock:
-            origins = list(self._counts) if origin is None else [origin]
-            ended = [
-                (item, self._counts.pop(item, {}), self._timers.pop(item, None), self._started.pop(item, now))
-                for item in origins
-            ]
-        for item, counts, timer, started in ended:
+            ended = self._end(list(self._counts) if origin is None else [origin], now)
+            timer = self._timer if not self._started else None
             if timer is not None:
-                timer.cancel()
+                self._timer = None
+        if timer is not None:
+            timer.cancel()
+        self._say(ended, now)
+
+    def _end(self, origins: list[Origin], now: float) -> list[tuple[Origin, dict[str, int], float]]:
+        """Take the episodes of ``origins`` out of those under way. Under the lock."""
+        return [(origin, self._counts.pop(origin, {}), self._started.pop(origin, now)) for origin in origins]
+
+    def _say(self, ended: list[tuple[Origin, dict[str, int], float]], now: float) -> None:
+        for origin, counts, started in ended:
             if counts:
                 # An episode flushed early (its transport closed) names the time it lasted, not the full episode's.
                 seconds = max(0.1, round(min(now - started, self._episode), 1))
-                logger.warning("%s", _episode_line(item, counts.get("rescued", 0), counts.get("replaced", 0), seconds))
+                logger.warning(
+                    "%s", _episode_line(origin, counts.get("rescued", 0), counts.get("replaced", 0), seconds)
+                )
 
 
 def _episode_line(origin: Origin, rescued: int, replaced: int, seconds: float) -> str:
