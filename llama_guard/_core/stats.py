@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from .log import logger
-from .origin_book import MAX_ORIGINS
+from .origin_book import MAX_ORIGINS, counted_apart
 from .origins import Origin
 
 __all__ = [
@@ -427,7 +427,7 @@ class GuardStats:
         key = (stack, origin)
         account = self._by_origin.get(key)
         if account is None:
-            if len(self._by_origin) >= MAX_ORIGINS:
+            if not counted_apart(key, self._by_origin):
                 key = _counted_together(stack, origin, "a guard", told=self._past_max_origins)
                 self._past_max_origins = True
                 account = self._by_origin.get(key)
@@ -477,7 +477,7 @@ class GuardStats:
         (``final=False``: auto still measuring) never replaces a final one: a request that read its strategy just
         before another made the choice reports after it. At most `MAX_ORIGINS` origins are listed, as counted."""
         strategies = self.connection_strategies
-        if strategies.get(origin) != choice and (origin in strategies or len(strategies) < MAX_ORIGINS):
+        if strategies.get(origin) != choice and counted_apart(origin, strategies):
             with self._lock:
                 if final:
                     self._final_strategies.add(origin)
@@ -713,9 +713,9 @@ class StatsSet:
 
     def _label_of(self, key: Key) -> Key:
         """`label_of`, under the lock."""
-        if key in self._exported or key[1] == OTHER_ORIGINS:
+        if key[1] == OTHER_ORIGINS:
             return key
-        if len(self._exported) < MAX_ORIGINS:
+        if counted_apart(key, self._exported):
             self._exported.add(key)
             return key
         label = _counted_together(*key, "the guards of the process", told=self._past_max_origins)

@@ -11,7 +11,7 @@ import threading
 import time
 
 from .._core.log import logger
-from .._core.origin_book import MAX_ORIGINS
+from .._core.origin_book import counted_apart
 from .._core.origins import Origin
 from .._core.stats import OTHER_ORIGINS
 
@@ -60,7 +60,7 @@ class StallLog:
                 return
             self._started[origin] = time.monotonic()
             episodes = self._episodes
-            counted = origin if origin in episodes or len(episodes) < MAX_ORIGINS else OTHER_ORIGINS  # as the stats
+            counted = origin if counted_apart(origin, episodes) else OTHER_ORIGINS  # as the stats
             episodes[counted] = episodes.get(counted, 0) + 1
             timer = None if self._timer is not None else self._arm(self._episode)
         if timer is not None:
