@@ -8,9 +8,10 @@ what doctor, the demo, the tests and the benchmarks share (re-exported by `llama
 from __future__ import annotations
 
 import os
-import select
 import socket
 import time
+
+from ._readiness import ready
 
 __all__ = ["open_burst"]
 
@@ -36,8 +37,7 @@ def open_burst(host: str, port: int, count: int, *, timeout: float = 5.0) -> lis
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"{len(pending)} of {count} connections to {host}:{port} did not complete")
-            _, writable, _ = select.select([], pending, [], remaining)
-            for sock in writable:
+            for sock in ready(pending, remaining, write=True):
                 error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
                 if error:
                     raise ConnectionError(error, f"connect to {host}:{port} failed: {os.strerror(error)}")

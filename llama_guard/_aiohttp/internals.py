@@ -12,13 +12,13 @@ the probe and the drop after a stream are off, and ``stats.public_path`` says so
 
 from __future__ import annotations
 
-import select
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
 
 from .._core.log import WarnOnce
+from .._readiness import readable_now
 
 __all__ = [
     "SESSION_REQUEST_METHOD",
@@ -191,7 +191,7 @@ class _GetPooled:
             protocol = conns[0][0]  # the one aiohttp hands out next
             transport = protocol.transport
             sock = transport.get_extra_info("socket") if transport is not None else None
-            if sock is None or not select.select([sock], [], [], 0)[0]:
+            if sock is None or not readable_now(sock):
                 break
             conns.popleft()
             protocol.close()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import select
 import socket
 import ssl
 import threading
@@ -27,6 +26,7 @@ import httpcore
 import httpx
 
 from .._burst import open_burst
+from .._readiness import readable_now
 from ._backends import WrappingBackend
 
 __all__ = ["AsyncPreopenedBackend", "PreopenedBackend", "async_burst_transport", "burst_transport", "open_burst"]
@@ -136,8 +136,7 @@ def _extra_info(sock: socket.socket, info: str) -> Any:
     if info == "is_readable":
         if sock.fileno() < 0:
             return True
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable)
+        return readable_now(sock)
     if info == "client_addr":
         return sock.getsockname()
     if info == "server_addr":

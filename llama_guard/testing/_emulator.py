@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import select
 import socket
 import threading
 import time
@@ -44,6 +43,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NamedTuple, TypeVar
 
+from .._readiness import ready
 from ._config import EmulatorConfig
 from ._faults import Fault, FaultInjector, FaultRule
 from ._handler import ServerContext, serve_connection
@@ -523,7 +523,7 @@ class LlamaServerEmulator(StartStop):
         assert wake is not None
         try:
             while not self._stop_event.is_set():
-                readable, _, _ = select.select([listener, wake], [], [], self._park_timeout())
+                readable = ready([listener, wake], self._park_timeout())
                 if wake in readable or self._stop_event.is_set():
                     break
                 self._expire_parked()

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import array
 import contextlib
-import select
 import socket
 import struct
 import threading
 import time
+
+from .._readiness import readable_now, ready
 
 try:  # POSIX: the exact size of the kernel's receive queue
     import fcntl
@@ -52,8 +53,7 @@ def pending_bytes(sock: socket.socket) -> int:
             buf = array.array("i", [0])
             fcntl.ioctl(sock.fileno(), _FIONREAD, buf, True)
             return int(buf[0])
-        readable, _, _ = select.select([sock], [], [], 0)
-        return 1 if readable else 0
+        return 1 if readable_now(sock) else 0
     except (OSError, ValueError):  # closed meanwhile
         return 0
 
@@ -94,7 +94,7 @@ class Wire:
         if self._stop_event.is_set():
             raise Stopping
         try:
-            readable, _, _ = select.select([self.sock, self._wake], [], [], timeout)
+            readable = ready([self.sock, self._wake], timeout)
         except (OSError, ValueError) as exc:
             raise PeerGone from exc
         if self._wake in readable or self._stop_event.is_set():
@@ -115,8 +115,7 @@ class Wire:
         if self.closed:
             return True
         try:
-            readable, _, _ = select.select([self.sock], [], [], 0)
-            if not readable:
+            if not readable_now(self.sock):
                 return False
             return self.sock.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
