@@ -240,8 +240,14 @@ def test_command_help_documents_exit_status(command: str, phrases: list[str], ca
         ),
         (
             ["doctor", "http://127.0.0.1:8080", "--burst", "many"],
-            "argument --burst: expected a whole number of at least 0 (0 turns it off), got 'many'",
+            "argument --burst: expected a whole number from 0 (off) to 4,096, got 'many'",
         ),
+        # Past what one burst can open: refused here, not an "unexpected error" (doctor) or a traceback (demo).
+        (
+            ["doctor", "http://127.0.0.1:8080", "--burst", "100000"],
+            "argument --burst: expected a whole number from 0 (off) to 4,096, got '100000'",
+        ),
+        (["demo", "--clients", "5000"], "argument --clients: expected a whole number from 1 to 4,096, got '5000'"),
         (["watch", "--watch", "0"], "argument --watch: expected a number of seconds above 0"),
         (["watch", "--pid", "0"], "argument --pid: expected a whole number of at least 1"),
         (["watch", "--port", "65536"], "argument --port: expected a TCP port, a whole number from 1 to 65535"),
@@ -354,3 +360,48 @@ def test_the_load_counts_another_librarys_errors_as_lost_when_given_them() -> No
     assert (row.requests, row.errors, row.answered) == (6, 1, 5)
     [kind] = row.error_kinds
     assert kind.split(":")[0] in {name for name in dir(httpx2) if name.endswith("Error")}, kind
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["watch", "--port", "1", "--json"]])
+def test_a_reader_gone_ends_the_command_quietly(argv: list[str]) -> None:
+    """``llama-guard ... | head -1``: once the reader has gone, the command exits 141 (128 + SIGPIPE, as a shell's
+    own tools) with nothing on stderr; it printed a BrokenPipeError traceback, or "unexpected error ... (please
+    report this)". The pipe's read end is closed before the command starts, so every write fails."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        process = subprocess.run(
+            [sys.executable, "-m", "llama_guard", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert (process.returncode, process.stderr) == (141, "")
+
+
+def test_the_demo_asks_for_no_more_open_files_than_it_may_have() -> None:
+    """Each burst client takes two open files (its socket and the in-process emulator's): a demo that may not open
+    enough says so in one line and exits 2, before it starts (it failed mid-run with EMFILE, or with select()'s
+    limit)."""
+    import resource
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+
+    process = subprocess.run(
+        [sys.executable, "-m", "llama_guard", "demo", "--clients", "200"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=low_limit,
+    )
+    assert process.returncode == 2, process.stderr
+    assert process.stderr == (
+        "llama-guard demo: --clients 200 needs about 656 open files, and this process may open at most 300 "
+        "(ulimit -Hn): ask for at most 22 clients, or raise the limit\n"
+    )

@@ -149,7 +149,9 @@ def test_run_keeps_the_programs_exit_status_and_its_own_sitecustomize(tmp_path: 
     ("args", "status", "message"),
     [
         (["--"], 2, "give the command to run after --"),
-        (["--origins", "ftp://nope", "--", "true"], 2, "bad origins 'ftp://nope'"),
+        (["--origins", "ftp://nope", "--", "true"], 2, "bad --origins 'ftp://nope'"),
+        # The flag given empty is named, not the environment variable it overrides.
+        (["--origins", " , ", "--", "true"], 2, "bad --origins ' , ': it names no origin; give 'auto' or"),
         (["--", "no-such-command-llama-guard"], 127, "command not found: no-such-command-llama-guard"),
     ],
 )

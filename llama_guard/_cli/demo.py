@@ -28,9 +28,10 @@ import httpx
 
 from .._httpx.sync_transport import GuardTransport
 from ..testing import LlamaServerEmulator, burst_transport, open_burst
+from .exits import run_command
 from .load import LOST, STUCK, LoadRow, proxy_load, run_threads, send_one
 
-__all__ = ["STUCK_AFTER", "DemoRow", "demo_rows", "format_table", "run_demo"]
+__all__ = ["STUCK_AFTER", "DemoError", "DemoRow", "demo_rows", "format_table", "run_demo"]
 
 CHAT = "/v1/chat/completions"
 THINK_TIME = 0.1
@@ -188,9 +189,47 @@ NEXT_STEP = (
 )
 
 
-def run_demo(*, requests: int = 600, clients: int = 32, seconds: float = 2.5, out: TextIO | None = None) -> int:
-    """Print the demo's table (to ``out``, default stdout); 0 when the guard lost nothing and left nothing stuck."""
-    out = out if out is not None else sys.stdout
+class DemoError(Exception):
+    """What stops the demo before it starts (one line, exit 2)."""
+
+
+def _allow_open_files(clients: int) -> None:
+    """Raise this process's open-files limit (within its hard limit) to what a burst of ``clients`` needs: each
+    takes a client socket and the in-process emulator's; DemoError if the limit cannot be raised that far."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows: no such limit to raise
+        return
+    needed = 2 * clients + 256  # and the proxy-like load's, the emulator's listeners, Python's own files
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    if hard == resource.RLIM_INFINITY or hard >= needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        return
+    raise DemoError(
+        f"--clients {clients} needs about {needed} open files, and this process may open at most {hard} (ulimit -Hn): "
+        f"ask for at most {max(1, (hard - 256) // 2)} clients, or raise the limit"
+    )
+
+
+def run_demo(
+    *,
+    requests: int = 600,
+    clients: int = 32,
+    seconds: float = 2.5,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """Print the demo's table (to ``out``, default stdout); 0 when the guard lost nothing and left nothing stuck, 2
+    when it could not run (one line on ``err``)."""
+    return run_command(
+        "demo", lambda out, err: _demo(requests, clients, seconds, out), DemoError, out=out, err=err, json=False
+    )
+
+
+def _demo(requests: int, clients: int, seconds: float, out: TextIO) -> int:
+    _allow_open_files(clients)
     started = time.monotonic()
     rows = demo_rows(requests=requests, clients=clients, seconds=seconds)
     print(file=out)

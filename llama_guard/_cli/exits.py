@@ -4,14 +4,25 @@ share it without importing each other."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import json as json_module  # `json` is also run_command's parameter
+import os
 import signal
 import sys
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_INTERRUPTED", "failed", "interrupted", "run_command", "streams"]
+__all__ = [
+    "EXIT_COULD_NOT_RUN",
+    "EXIT_INTERRUPTED",
+    "EXIT_READER_GONE",
+    "failed",
+    "interrupted",
+    "reader_gone",
+    "run_command",
+    "streams",
+]
 
 EXIT_COULD_NOT_RUN = 2
 EXIT_INTERRUPTED = 130
@@ -42,6 +53,20 @@ def interrupted(command: str) -> int:
     return EXIT_INTERRUPTED
 
 
+#: The exit status of a command whose output's reader went away (128 + SIGPIPE, as shells report a pipe's writer).
+EXIT_READER_GONE = 141
+
+
+def reader_gone() -> int:
+    """The output's reader went away (``llama-guard doctor URL | head -1``): nothing more to say, and no traceback
+    for it. Standard output is pointed at /dev/null so that Python's own flush at exit does not fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return EXIT_READER_GONE
+
+
 def run_command(
     command: str,
     body: Callable[[TextIO, TextIO], int],
@@ -60,6 +85,8 @@ def run_command(
         return body(out, err)
     except stops as exc:
         message = str(exc)
+    except BrokenPipeError:  # the reader went away: `main` ends quietly (reader_gone)
+        raise
     except KeyboardInterrupt:
         if json:
             print(json_module.dumps({**context, "error": "interrupted", "exit_code": EXIT_INTERRUPTED}), file=out)

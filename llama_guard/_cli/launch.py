@@ -34,7 +34,8 @@ def exec_guarded(command: Sequence[str], *, origins: str | None, environ: Mappin
     try:
         normalise_install_origins(origins_from_text(text))
     except ValueError as exc:
-        print(f"llama-guard run: bad origins {text!r}: {exc}", file=sys.stderr)
+        given = "--origins" if origins is not None else f"${ORIGINS_VARIABLE}"  # the user's own words, not ours
+        print(f"llama-guard run: bad {given} {text!r}: {exc}", file=sys.stderr)
         return 2
     env = dict(environ)
     env[ORIGINS_VARIABLE] = text

@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["COMMANDS", "EXIT_INTERRUPTED", "build_parser", "interrupted", "main"]
 
-from .exits import EXIT_INTERRUPTED, interrupted
+from .exits import EXIT_INTERRUPTED, interrupted, reader_gone
 
 Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], argparse.ArgumentParser]
 Runner = Callable[[argparse.Namespace], int]
@@ -41,6 +41,18 @@ def _positive_int(text: str) -> int:
 
 def _count(text: str) -> int:
     return _whole(text, "a whole number of at least 0 (0 turns it off)", 0)
+
+
+#: The most connections one burst opens (doctor's --burst, the demo's --clients): the emulator's and open_burst's.
+MAX_BURST = 4096
+
+
+def _burst(text: str) -> int:
+    return _whole(text, f"a whole number from 0 (off) to {MAX_BURST:,}", 0, MAX_BURST)
+
+
+def _clients(text: str) -> int:
+    return _whole(text, f"a whole number from 1 to {MAX_BURST:,}", 1, MAX_BURST)
 
 
 def _port(text: str) -> int:
@@ -88,7 +100,7 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "with plain httpx and with the guard, and prints a table. Exit status 0 when the guard lost nothing.",
     )
     demo.add_argument("--requests", type=_positive_int, default=600, help="requests in the proxy-like load (600)")
-    demo.add_argument("--clients", type=_positive_int, default=32, help="connections in the burst (32)")
+    demo.add_argument("--clients", type=_clients, default=32, help="connections in the burst (32; at most 4096)")
     demo.add_argument("--seconds", type=_positive_float, default=2.5, help="length of each burst run (2.5)")
     demo.add_argument("-v", "--verbose", action="store_true", help="show the guard's warnings as it recovers")
     return demo
@@ -134,7 +146,11 @@ def _add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--requests", type=_count, default=100, help="requests of the pooled load, per client kind (100; 0: skip)"
     )
     doctor.add_argument(
-        "--burst", type=_count, default=0, metavar="N", help="also open N connections at once (e.g. 32; off: 0)"
+        "--burst",
+        type=_burst,
+        default=0,
+        metavar="N",
+        help="also open N connections at once (e.g. 32; at most 4096; off: 0)",
     )
     doctor.add_argument(
         "--timeout", type=_positive_float, default=10.0, help="seconds to wait for a connection or an answer (10)"
@@ -287,14 +303,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    verbose = getattr(args, "verbose", False)
-    logging.basicConfig(level=logging.WARNING if verbose else logging.ERROR, format="%(message)s")
-    _, run = COMMANDS[args.command]
     try:
-        return run(args)
-    except KeyboardInterrupt:
-        return interrupted(args.command)
+        args = build_parser().parse_args(argv)  # --version prints here
+        verbose = getattr(args, "verbose", False)
+        logging.basicConfig(level=logging.WARNING if verbose else logging.ERROR, format="%(message)s")
+        _, run = COMMANDS[args.command]
+        try:
+            return run(args)
+        except KeyboardInterrupt:
+            return interrupted(args.command)
+    except BrokenPipeError:
+        return reader_gone()
 
 
 #: The exit status of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).

@@ -26,7 +26,7 @@ def origins_from_text(text: str) -> str | list[str]:
         return "auto"
     origins = [item.strip() for item in text.split(",") if item.strip()]
     if not origins:
-        raise ValueError(f"{ORIGINS_VARIABLE} is empty; set it to 'auto' or to origins such as 'http://127.0.0.1:8080'")
+        raise ValueError("it names no origin; give 'auto' or origins such as 'http://127.0.0.1:8080'")
     return origins
 
 
