@@ -405,3 +405,32 @@ def test_the_demo_asks_for_no_more_open_files_than_it_may_have() -> None:
         "llama-guard demo: --clients 200 needs about 656 open files, and this process may open at most 300 "
         "(ulimit -Hn): ask for at most 22 clients, or raise the limit\n"
     )
+
+
+def test_a_load_that_hits_its_time_limit_says_how_many_it_did_not_send() -> None:
+    """Each request takes at least 0.2 s (4 tokens, 0.05 s apart) on one worker, so a load of 10 with a 0.3 s limit
+    sends at most 2: the last line says the others were not sent and why (they read as vanished: "2 of 10")."""
+    progress = io.StringIO()
+    row = LoadRow("pooled load", "plain httpx")
+    with (
+        LlamaServerEmulator(token_interval=0.05, n_tokens=4) as server,
+        httpx.Client(base_url=server.url) as client,
+    ):
+        body = {"messages": [], "max_tokens": 4, "stream": False}
+        proxy_load(
+            client,
+            row,
+            requests=10,
+            workers=1,
+            path="/v1/chat/completions",
+            body_for=lambda _: body,
+            progress=progress,
+            deadline=time.monotonic() + 0.3,
+        )
+    last = progress.getvalue().splitlines()[-1]
+    sent = row.requests
+    assert 1 <= sent <= 2, last
+    assert last.endswith(
+        f": {sent} of 10 requests, 0 lost, 0 stuck; {10 - sent} not sent: "
+        "the load sends no request after its 0.3 s limit"
+    ), last

@@ -230,7 +230,13 @@ def proxy_load(
 
     run_threads([worker] * workers, stop=stop, tick=tick, every=PROGRESS_EVERY if every is None else every)
     if progress is not None:
-        print(line(f"done in {time.monotonic() - origin:.1f} s"), file=progress, flush=True)
+        text = line(f"done in {time.monotonic() - origin:.1f} s")
+        with row.lock:
+            unsent = requests - row.requests - row.in_flight
+        # Said, or the requests never sent would read as vanished.
+        if unsent > 0 and deadline is not None and time.monotonic() >= deadline:
+            text += f"; {unsent} not sent: the load sends no request after its {deadline - origin:.3g} s limit"
+        print(text, file=progress, flush=True)
 
 
 #: Seconds between progress lines of a long wait.
