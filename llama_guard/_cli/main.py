@@ -97,7 +97,8 @@ def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "demo",
         help="show both llama-server defects and the guard's fix on the built-in emulator (no server needed)",
         description="Runs a proxy-like load and a connection burst against the built-in llama-server emulator, "
-        "with plain httpx and with the guard, and prints a table. Exit status 0 when the guard lost nothing.",
+        "with plain httpx and with the guard, and prints a table. Exit status 0 when the guard lost nothing and left "
+        "nothing stuck, 1 when it did, 2 could not run, 130 interrupted.",
     )
     demo.add_argument("--requests", type=_positive_int, default=600, help="requests in the proxy-like load (600)")
     demo.add_argument("--clients", type=_clients, default=32, help="connections in the burst (32; at most 4096)")
