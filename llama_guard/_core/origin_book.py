@@ -11,13 +11,13 @@ A request that looked an entry up just before it was forgotten uses it to its en
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Hashable
 from itertools import islice
 from typing import Generic, Protocol, TypeVar
 
 from .log import logger
 
-__all__ = ["IDLE_AFTER", "MAX_ORIGINS", "REMEMBERED_BY_URL", "OriginBook", "counted_apart"]
+__all__ = ["IDLE_AFTER", "MAX_ORIGINS", "REMEMBERED_BY_URL", "OriginBook"]
 
 #: Origins an `OriginBook` keeps what it learnt about.
 MAX_ORIGINS = 1024
@@ -29,16 +29,6 @@ IDLE_AFTER = 60.0
 REMEMBERED_BY_URL = 256
 # How many of the oldest entries one insertion looks at for one to forget: bounded work per new origin.
 _EVICTION_SCAN = 8
-
-
-KeyT = TypeVar("KeyT")
-
-
-def counted_apart(key: KeyT, counted: Collection[KeyT]) -> bool:
-    """Whether ``key`` is counted on its own where ``counted`` are (stats, exporters, stall episodes): it is
-    already, or fewer than `MAX_ORIGINS` are; the rest are counted together, as OpenTelemetry's cardinality limit
-    does."""
-    return key in counted or len(counted) < MAX_ORIGINS
 
 
 class _Forgettable(Protocol):

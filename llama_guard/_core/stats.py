@@ -21,12 +21,12 @@ import threading
 import weakref
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from .log import logger
-from .origin_book import MAX_ORIGINS, counted_apart
+from .origin_book import MAX_ORIGINS
 from .origins import Origin
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "OriginTotals",
     "StatsSet",
     "StatsSnapshot",
+    "counted_apart",
 ]
 
 #: The whole-number counters of `GuardStats` and `StatsSnapshot`, in the order they are shown.
@@ -71,6 +72,15 @@ COUNTS = tuple(name for name in COUNTERS if name != "passthrough")
 
 #: Where the requests to origins past `MAX_ORIGINS` are counted, by a `GuardStats` and by `StatsSet`.
 OTHER_ORIGINS = Origin("", "other", 0)
+
+KeyT = TypeVar("KeyT")
+
+
+def counted_apart(key: KeyT, counted: Collection[KeyT]) -> bool:
+    """Whether ``key`` is counted on its own where ``counted`` are (accounts, exporters, stall episodes): it is
+    already, or fewer than `MAX_ORIGINS` are; the rest are counted together under `OTHER_ORIGINS`."""
+    return key in counted or len(counted) < MAX_ORIGINS
+
 
 _MIN_SECONDS = 1e-5
 _GROWTH = 1.02

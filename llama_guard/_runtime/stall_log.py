@@ -11,9 +11,8 @@ import threading
 import time
 
 from .._core.log import logger
-from .._core.origin_book import counted_apart
 from .._core.origins import Origin
-from .._core.stats import OTHER_ORIGINS
+from .._core.stats import OTHER_ORIGINS, counted_apart
 
 __all__ = ["EPISODE_SECONDS", "StallLog"]
 
