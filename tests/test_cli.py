@@ -229,6 +229,10 @@ def test_command_help_documents_exit_status(command: str, phrases: list[str], ca
         (["demo", "--requests", "0"], "argument --requests: expected a whole number of at least 1, got '0'"),
         (["demo", "--seconds", "-1"], "argument --seconds: expected a number of seconds above 0 (e.g. 2.5), got '-1'"),
         (["nonsense"], "invalid choice"),
+        ([], "llama-guard: error: give a command: demo, doctor, watch, run (llama-guard COMMAND --help)"),
+        # A command's unknown argument is that command's error, under its own usage line.
+        (["doctor", "http://127.0.0.1:8080", "extra"], "usage: llama-guard doctor [-h]"),
+        (["doctor", "http://127.0.0.1:8080", "extra"], "llama-guard doctor: error: unrecognized arguments: extra"),
         (["doctor"], "the following arguments are required: URL"),
         (
             ["doctor", "http://127.0.0.1:8080", "--requests", "-1"],

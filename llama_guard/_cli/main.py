@@ -303,9 +303,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, or exit 2 with an error from the parser they belong to: a command's unknown option gets that
+    command's usage line (argparse gives the top level's), and no command at all lists the commands."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        parser.print_usage(sys.stderr)
+        parser.exit(2, f"{parser.prog}: error: give a command: {', '.join(COMMANDS)} (llama-guard COMMAND --help)\n")
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)  # --version prints here
+        args = _parse(build_parser(), argv)  # --version prints here
         verbose = getattr(args, "verbose", False)
         logging.basicConfig(level=logging.WARNING if verbose else logging.ERROR, format="%(message)s")
         _, run = COMMANDS[args.command]
