@@ -13,7 +13,10 @@ import time
 
 from ._readiness import ready
 
-__all__ = ["open_burst"]
+__all__ = ["MAX_BURST", "open_burst"]
+
+#: The most connections one burst opens (doctor's --burst and the demo's --clients refuse more).
+MAX_BURST = 4096
 
 
 def open_burst(host: str, port: int, count: int, *, timeout: float = 5.0) -> list[socket.socket]:
@@ -21,8 +24,8 @@ def open_burst(host: str, port: int, count: int, *, timeout: float = 5.0) -> lis
     sends a byte: the burst in which llama-server's accept loop queues them faster than its pool threads wake.
 
     Blocking connects one after another are slower, and on an idle machine rarely trigger the bug."""
-    if not 1 <= count <= 4096:
-        raise ValueError(f"count must be from 1 to 4096; got {count!r}")
+    if not 1 <= count <= MAX_BURST:
+        raise ValueError(f"count must be from 1 to {MAX_BURST}; got {count!r}")
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):

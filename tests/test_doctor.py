@@ -7,6 +7,7 @@ import contextlib
 import http.server
 import io
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -17,12 +18,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from llama_guard._cli.doctor.checks import STREAM_CLOSE_WAIT
+from llama_guard._cli.doctor.checks import BURST_WINDOW, STREAM_CLOSE_WAIT
 from llama_guard._cli.doctor.command import DoctorOptions, run_doctor
 from llama_guard._cli.doctor.model import (
     AFFECTED,
     COULD_NOT_TELL,
     NOT_AFFECTED,
+    REUSE_CLOSED,
+    REUSE_RESET,
     BurstCheck,
     BurstRound,
     DoctorError,
@@ -31,6 +34,7 @@ from llama_guard._cli.doctor.model import (
     Target,
     base_candidates,
     parse_target,
+    redact_url,
 )
 from llama_guard._cli.doctor.verdict import (
     LoadShape,
@@ -41,6 +45,7 @@ from llama_guard._cli.doctor.verdict import (
     pool_finding,
     stream_finding,
 )
+from llama_guard._cli.doctor.wire import shown_bytes
 from llama_guard._cli.load import LoadRow
 from llama_guard._cli.main import main
 from llama_guard.testing import LlamaServerEmulator, free_port
@@ -78,6 +83,18 @@ KEEP = {"status": 200, "keep_alive_header": "timeout=5, max=100", "connection_he
             AFFECTED,
             "a second request on it failed",
             id="kept a while, then lost the next request",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, after="open", reuse=REUSE_CLOSED, **KEEP),
+            AFFECTED,
+            "stayed open a while; then the server closed the connection without answering the second request on it",
+            id="kept a while, then closed unanswered: said so, not in h11's words",
+        ),
+        pytest.param(
+            KeepAliveCheck(True, after="open", reuse=REUSE_RESET, **KEEP),
+            AFFECTED,
+            "then the server reset the connection without answering the second request on it",
+            id="kept a while, then reset unanswered",
         ),
         pytest.param(
             KeepAliveCheck(True, status=200, connection_header="close", after=None),
@@ -121,12 +138,18 @@ def test_stream_verdicts(check, status, phrase):
         (KeepAliveCheck(False, after="open", reuse="answered 200", **KEEP), NOT_AFFECTED),
         (KeepAliveCheck(False, after="eof", closed_after=0.001, **KEEP), AFFECTED),
         (KeepAliveCheck(False, after="open", reuse="timed out", **KEEP), AFFECTED),
+        (KeepAliveCheck(False, after="open", reuse=REUSE_CLOSED, **KEEP), AFFECTED),
         (KeepAliveCheck(False, status=200, connection_header="close"), NOT_AFFECTED),
         (KeepAliveCheck(False, error="timeout"), COULD_NOT_TELL),
     ],
 )
 def test_nonstream_verdicts(check, status):
-    assert nonstream_finding(check).status == status
+    finding = nonstream_finding(check)
+    assert finding.status == status
+    if check.reuse == REUSE_CLOSED:
+        assert finding.evidence[0].endswith(
+            "then the server closed the connection without answering the second request on the same connection"
+        )
 
 
 def _identity(build):
@@ -137,6 +160,7 @@ def _identity(build):
 
 STALL = BurstRound((0.001, 0.002, None, None), window=3.0)
 CLEAN = BurstRound((0.001, 0.002, 0.003, 0.004), window=3.0)
+SILENT = BurstRound((None, None, None, None), window=3.0)
 
 
 @pytest.mark.parametrize(
@@ -147,7 +171,11 @@ CLEAN = BurstRound((0.001, 0.002, 0.003, 0.004), window=3.0)
         ("b0-unknown", None, COULD_NOT_TELL, "--burst 32"),
         (None, None, COULD_NOT_TELL, "not reported"),
         ("b0-unknown", BurstCheck(4, (STALL,)), AFFECTED, "2 of 4 connections opened at once got no answer"),
-        ("b11800-abc", BurstCheck(4, (CLEAN, STALL)), AFFECTED, "2 of 4"),  # behaviour beats the build
+        # A stall beats a build that predates the fix, or an unknown one. With the fix, a burst past the threads the
+        # server can run stalls too: the answered connections may be its limit, and doctor cannot tell.
+        ("b11434-abc", BurstCheck(4, (CLEAN, STALL)), AFFECTED, "2 of 4"),
+        ("b11800-abc", BurstCheck(4, (CLEAN, STALL)), COULD_NOT_TELL, "more than the 2 it served at once"),
+        ("b11800-abc", BurstCheck(4, (SILENT,)), AFFECTED, "4 of 4"),  # no connection served: not a thread limit
         # A clean burst does not rule a race out: the build decides, and an unknown one cannot.
         ("b11434-abc", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), AFFECTED, "a clean burst does not rule it out"),
         ("b11800-abc", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), NOT_AFFECTED, "all 4 connections of 3 burst(s)"),
@@ -157,7 +185,7 @@ CLEAN = BurstRound((0.001, 0.002, 0.003, 0.004), window=3.0)
         # b11434 patched with the fix (get_llama_server.py --fixed-pool): a clean burst clears it, a stall does not.
         ("b11434-fixedpool", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), NOT_AFFECTED, "fix of b11737 applied"),
         ("b11434-fixedpool", None, NOT_AFFECTED, "fix of b11737 applied"),
-        ("b11434-fixedpool", BurstCheck(4, (CLEAN, STALL)), AFFECTED, "2 of 4"),
+        ("b11434-fixedpool", BurstCheck(4, (CLEAN, STALL)), COULD_NOT_TELL, "--burst below 2 to tell"),
         ("b11434-fixedpoolx", BurstCheck(4, (CLEAN, CLEAN, CLEAN)), AFFECTED, "predates"),
     ],
 )
@@ -283,13 +311,33 @@ def test_urls(url, target):
         ("://127.0.0.1", "malformed scheme"),
         ("http://127.0.0.1:99999", "Port out of range"),
         ("http://:8080", "no host"),
-        ("http://127.0.0.1:8080/?x=1", "no user, query or fragment"),
+        ("http://127.0.0.1:8080/?x=1", "no query or fragment"),
+        ("http://user:hunter2@127.0.0.1:8080", "'http://user:***@127.0.0.1:8080': no user or password allowed"),
+        # urllib would quote the "port" it could not read: here the password's head.
+        ("http://user:hun/ter2@127.0.0.1:8080", "'http://user:***@127.0.0.1:8080': no user or password allowed"),
+        ("https://user:hunter2@example.com", "'https://user:***@example.com': only http://"),
+        ("user:hunter2@127.0.0.1:8080", "'user:***@127.0.0.1:8080'"),
     ],
 )
 def test_bad_urls(url, phrase):
     with pytest.raises(DoctorError, match="expected http://HOST") as info:
         parse_target(url)
     assert phrase in str(info.value)
+    assert "hun" not in str(info.value)
+
+
+def test_a_password_in_the_url_is_never_printed():
+    """Not in the one-line error, not in the --json error document: the userinfo's password shows as ``***``."""
+    url = f"http://user:hunter2@127.0.0.1:{free_port()}"
+    assert redact_url(url).startswith("http://user:***@127.0.0.1:")
+    for as_json in (False, True):
+        code, out, err = doctor(url, json=as_json)
+        _one_line_error(code, err, "bad URL 'http://user:***@127.0.0.1:")
+        assert "hunter2" not in out + err
+        if as_json:
+            document = json.loads(out)
+            assert document["url"].startswith("http://user:***@")
+            assert "user:***@" in document["error"]
 
 
 # -- against the emulator ---------------------------------------------------------------------------------------
@@ -343,6 +391,10 @@ def test_the_faulty_emulator_is_affected_by_both_defects():
     assert len(document["burst"]["rounds"][-1]["first_bytes"]) == 16
     assert stats.streams_closed_after_done >= 1
     assert "[6/6] burst" in err  # progress on the terminal
+    # The burst's wait is bounded and said: its window, then what the stalled round waits for.
+    assert "a connection with no answer within 3 s counts as stalled" in err
+    assert "still waiting for the first byte of an answer to GET /health on each of 16 connections" in err
+    assert "of at most 3 s, the burst's window)" in err
 
 
 # What plain httpx loses to httpcore's own pool race (threads sharing one client), whatever the server does: a
@@ -403,6 +455,50 @@ def test_a_client_that_loses_requests_is_named_with_its_cause_and_the_exit_statu
     assert plain["stuck_after"] <= 5.0
     assert document["load"]["guard"]["errors"] == document["load"]["guard"]["stuck"] == 0
     assert seconds < 2 * 5.0  # nothing waited out for the --timeout (5 s here)
+
+
+def test_a_stream_connection_closed_unanswered_is_said_in_plain_words():
+    """The emulator keeps a stream's connection open, then closes it unanswered when the second request arrives
+    (``--faulty``'s stream defect): the evidence says exactly that, not h11's words for it."""
+    with LlamaServerEmulator(stream_close="on_reuse") as server:
+        code, out, _ = doctor(server.url, json=True, requests=0)
+    document = json.loads(out)
+    assert code == 1
+    assert document["checks"]["stream"]["reuse"] == REUSE_CLOSED
+    (line,) = by_defect(document)["stream-close"]["evidence"]
+    assert line.endswith(
+        "the connection stayed open a while; then the server closed the connection without answering the second "
+        "request on it"
+    )
+    assert "h11" not in out
+    assert "ConnectionClosed" not in out
+
+
+def test_a_burst_past_a_fixed_servers_threads_is_not_called_defect_2():
+    """A fixed build that can run 8 HTTP threads, a burst of 16: 8 connections wait for a free thread. That is the
+    server's limit, not defect 2: "could not tell", saying so and how to tell, not "affected" next to "includes
+    the fix". The burst's window is cut to --timeout (1.5 s here), as every wait for the server is."""
+    with LlamaServerEmulator(
+        close_after_stream=False, pool_bug=False, build="b11737-emulated", max_http_threads=8
+    ) as server:
+        started = time.monotonic()
+        code, out, _ = doctor(server.url, json=True, requests=0, burst=16, timeout=1.5)
+        seconds = time.monotonic() - started
+    document = json.loads(out)
+    finding = by_defect(document)["unread-first-request"]
+    (burst,) = document["burst"]["rounds"]
+    assert burst["window"] == 1.5 < BURST_WINDOW
+    # 8, or one more while a thread of an earlier check is still noticing that doctor closed its connection.
+    served = 16 - burst["stalled"]
+    assert 1 <= served <= 8, burst
+    assert finding["status"] == "could_not_tell", finding
+    assert code == 3
+    text = " ".join(finding["evidence"])
+    assert f"{16 - served} of 16 connections opened at once got no answer to GET /health within 1.5 s" in text
+    assert "build b11737 includes the thread-pool fix" in text
+    assert f"may be that limit (16 connections are more than the {served} it served at once), not defect 2" in text
+    assert f"--burst below {served}" in text
+    assert seconds < 2 * BURST_WINDOW  # one 1.5 s window and the quick checks
 
 
 @pytest.mark.slow  # a full doctor run
@@ -541,10 +637,11 @@ def silent_server() -> Iterator[str]:
 
 
 def _one_line_error(code: int, err: str, phrase: str) -> None:
-    """Exit 2 and one line that says what was wrong, after the progress lines (``[1/5] ...``) if any."""
+    """Exit 2 and one line that says what was wrong, after the progress lines (``[1/5] ...``, and indented ones
+    under them) if any."""
     assert code == 2
     *progress, last = err.splitlines()
-    assert all(line.startswith("[") for line in progress), err
+    assert all(line.startswith(("[", "      ")) for line in progress), err
     assert last.startswith("llama-guard doctor: ")
     assert phrase in last, err
     assert "Traceback" not in err
@@ -574,16 +671,125 @@ def test_a_server_that_never_answers_times_out():
     assert time.monotonic() - started < 10
 
 
+def test_a_long_wait_says_what_it_waits_for_every_2_s():
+    """A server that accepts and never answers: doctor does not sit silent until --timeout, it says every 2 s on
+    stderr what it waits for and up to how long; -q keeps that quiet too."""
+    with silent_server() as url:
+        started = time.monotonic()
+        code, _, err = doctor(url, timeout=4.0)
+        seconds = time.monotonic() - started
+        _, _, quiet_err = doctor(url, timeout=2.5, quiet=True)
+    _one_line_error(code, err, "accepted the connection but sent no complete answer to GET /health within 4 s")
+    waits = [line.strip() for line in err.splitlines() if "still waiting" in line]
+    assert waits, err
+    assert re.fullmatch(r"still waiting for an answer to GET /health \(\d s of at most 4 s, --timeout\)", waits[0])
+    assert seconds < 10  # bounded by the 4 s timeout, not by the progress
+    assert "still waiting" not in quiet_err
+    assert len(quiet_err.splitlines()) == 1  # -q: the error line alone
+
+
+@contextlib.contextmanager
+def raw_server(answer: bytes) -> Iterator[str]:
+    """Answers every connection's first bytes with ``answer`` at once and keeps the connection open, as a server of
+    another protocol (Redis) does: no HTTP, no close."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.05)
+    stop = threading.Event()
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            accepted.append(conn)
+            conn.settimeout(5)
+            with contextlib.suppress(OSError):
+                conn.recv(4096)
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_an_answer_that_is_not_http_is_named_at_once():
+    """A Redis-like server answers "-ERR ..." at once and keeps the connection: doctor says it answered, not in
+    HTTP, shows the first bytes escaped, and does not wait out --timeout for an HTTP answer that cannot come."""
+    started = time.monotonic()
+    with raw_server(b"-ERR unknown command 'GET'\x1b[0m\r\n") as url:
+        code, _, err = doctor(url, timeout=SLOW_TIMEOUT)
+    _one_line_error(code, err, "answered GET /health, but not in HTTP: \"-ERR unknown command 'GET'\\x1b[0m\\r\\n\"")
+    assert "accepted the connection but sent no complete answer" not in err
+    assert "\x1b" not in err  # the escape byte is shown escaped, never written to the terminal
+    assert time.monotonic() - started < SLOW_TIMEOUT / 2
+
+
+def test_bytes_are_shown_escaped_and_cut():
+    assert shown_bytes(b"-ERR x\r\n") == '"-ERR x\\r\\n"'
+    assert shown_bytes(b'\x15\x03\x01"\\') == '"\\x15\\x03\\x01\\"\\\\"'
+    assert shown_bytes(b"a" * 100, limit=10) == '"aaaaaaaaaa"...'
+
+
 def test_a_server_that_wants_an_api_key():
     with web_server(_LockedLlama) as url:
         code, _, err = doctor(url)
     _one_line_error(code, err, "wants an API key (GET /props answered 401); pass --api-key")
 
 
+class _KeyedLlama(_NotLlama):
+    """A llama-server started with --api-key sekrit: /health is public, /props wants that key."""
+
+    def do_GET(self) -> None:
+        keyed = self.headers.get("Authorization") == "Bearer sekrit"
+        ok = self.path == "/health" or keyed
+        body = b'{"status":"ok"}' if ok else b'{"error":{"message":"Invalid API Key"}}'
+        self.send_response(200 if ok else 401)
+        self.send_header("Server", "llama.cpp")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_wrong_api_key_is_reported_as_rejected_not_missing(monkeypatch):
+    """A key was given and the server refused it: doctor says the key given was rejected, and where it came from
+    (--api-key or LLAMA_API_KEY); never that a key is missing, never the key itself."""
+    monkeypatch.delenv("LLAMA_API_KEY", raising=False)
+    with web_server(_KeyedLlama) as url:
+        code, _, err = doctor(url, api_key="wrong-key-0042")
+        monkeypatch.setenv("LLAMA_API_KEY", "wrong-key-0043")
+        env_code, _, env_err = doctor(url)
+    _one_line_error(code, err, "rejected the API key given with --api-key (GET /props answered 401: Invalid API Key)")
+    _one_line_error(env_code, env_err, "rejected the API key given with LLAMA_API_KEY (GET /props answered 401")
+    for text in (err, env_err):
+        assert "wants an API key" not in text
+        assert "wrong-key-004" not in text
+
+
 def test_a_loading_server():
     with LlamaServerEmulator(loading=True) as server:
         code, _, err = doctor(server.url)
     _one_line_error(code, err, "is not ready (GET /health answered 503: Loading model)")
+
+
+def test_a_burst_too_large_is_a_clear_error_at_once():
+    """--burst past 4096 (through the API; the command line refuses it while parsing): one line naming the option
+    and what it accepts, before any check; not "unexpected error ValueError ... (please report this)"."""
+    code, out, err = doctor(f"http://127.0.0.1:{free_port()}", burst=100000, json=True)
+    _one_line_error(code, err, "--burst 100000: expected a whole number from 0 (off) to 4,096")
+    assert "unexpected error" not in err
+    assert err.splitlines() == [err.strip()]  # before any check: no progress line
+    assert json.loads(out)["exit_code"] == 2
 
 
 def test_errors_are_json_too_with_json():

@@ -15,13 +15,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
 
-from llama_guard._cli.main import main
+from llama_guard._cli.main import WATCH_DESCRIPTION, main
 from llama_guard._cli.watch.cmdline import Setting, is_llama_server, parse_server_command
 from llama_guard._cli.watch.command import WatchOptions, run_watch
 from llama_guard._cli.watch.proc import read_sockets
@@ -413,8 +413,11 @@ def test_watch_finds_a_llama_server_and_flags_it_by_its_version(tmp_path):
     assert code == 1, text + err.getvalue()
     assert "llama-server pid 4242 on 127.0.0.1:8080" in text
     assert "b11434-1a2b3c4d (from --version): has the pool defect" in text
-    assert "2 established" in text  # the CLOSE_WAIT one is not established
-    assert "2 with request bytes unread" in text  # an established one and one whose client gave up
+    # The CLOSE_WAIT one is counted apart: the unread ones never outnumber the connections they are counted in.
+    assert (
+        "client connections: 2 established, 1 of them with request bytes unread right now; "
+        "1 more closed by their client (CLOSE-WAIT), 1 of them with request bytes unread"
+    ) in text
     assert "RISK" in text
     assert "s3cret" not in text  # its command line holds a key: never printed
 
@@ -433,6 +436,8 @@ def test_watch_json_from_a_fake_proc(tmp_path):
     assert server["base_http_threads"] == 1
     assert server["parallel"] == 2  # from LLAMA_ARG_N_PARALLEL
     assert server["connections"] == 2
+    assert (server["unread_now"], server["established_unread_now"]) == (2, 1)
+    assert (server["close_wait_now"], server["close_wait_unread_now"]) == (1, 1)
     assert server["risk"] == "possible"  # more connections than threads, but the build does not say: exit 0
     assert "s3cret" not in out.getvalue()
     assert "sk-nope" not in out.getvalue()
@@ -463,6 +468,36 @@ def test_watch_bad_targets_are_one_line_errors(options, message, capsys):
 def test_watch_without_proc_net_tcp(tmp_path, capsys):
     assert run_watch(WatchOptions(proc=tmp_path)) == 2
     assert capsys.readouterr().err.startswith(f"llama-guard watch: cannot read {tmp_path}/net/tcp")
+
+
+def test_a_watch_shorter_than_the_stall_threshold_says_so_and_does_not_hint_at_watching(tmp_path):
+    proc = _fake_proc(tmp_path)  # no readable executable: the build is unknown, 2 connections > 1 base thread
+    out = io.StringIO()
+    assert run_watch(WatchOptions(proc=proc), out=out, err=io.StringIO()) == 0
+    assert "(watch with --watch SECONDS to see stalls)" in out.getvalue()  # one look: watching is the next step
+    out, err = io.StringIO(), io.StringIO()
+    code = run_watch(WatchOptions(proc=proc, seconds=1, interval=0.5, stall_seconds=5), out=out, err=err)
+    lines = out.getvalue().splitlines()
+    assert code == 0, lines
+    assert "--watch SECONDS" not in out.getvalue()  # it is watching already
+    assert (
+        "llama-guard watch: note: --watch 1 s is shorter than --stall-seconds 5 s: no stall can be seen in this "
+        "watch, only the connection counts"
+    ) in err.getvalue().splitlines()
+    assert lines[-2].startswith(
+        "llama-server pid 4242 on 127.0.0.1:8080: possible risk: up to 2 client connections during the watch > 1 base"
+    )
+    assert lines[-1] == "no stalled connection in 1 s (too short to see one: a stall takes --stall-seconds 5 s)"
+
+
+def test_the_docs_list_every_exit_status_of_watch_help():
+    tail = WATCH_DESCRIPTION.partition("exit status:")[2]
+    in_help = re.findall(r"(?:: |, |\n)(\d+) [a-z]", ": " + tail.lstrip())
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    section = docs.partition("\n## watch\n")[2].partition("\n## ")[0]
+    table = section.partition("\n### Exit status\n")[2].partition("\n### ")[0]
+    assert in_help == ["0", "1", "2", "130"]
+    assert re.findall(r"^\| (\d+) \|", table, re.MULTILINE) == in_help
 
 
 # -- end to end: the emulator as a process ---------------------------------------------------------------------------
@@ -618,7 +653,8 @@ def test_watch_is_quiet_and_exits_0_on_a_fixed_pool():
         assert "STALLED" not in text
         assert "6 established" in text
         assert "has the fixed pool" in text
-        assert "no stalled connection in 3 s" in text
+        assert text.endswith("no stalled connection in 3 s")  # 3 s is long enough for a 1 s stall: no note
+        assert not [line for _, line in running.errors if "note:" in line]
 
 
 def test_watch_flags_the_risk_by_pid_in_one_look():
@@ -646,3 +682,115 @@ def test_watch_command_line_errors(capsys):
     assert (
         "argument --port: expected a TCP port, a whole number from 1 to 65535, got '70000'" in capsys.readouterr().err
     )
+
+
+def _wait_for(condition: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {within:g} s"
+        time.sleep(0.01)
+
+
+def _server_side(port: int) -> list[tuple[int, int]]:
+    """(state, unread bytes) of every connection on the server side of ``port``, sorted."""
+    return sorted((row.state, row.rx_queue) for row in read_sockets(Path("/proc")) if row.local.port == port)
+
+
+@pytest.mark.slow  # watches for 3 s in a subprocess
+def test_a_watch_ends_with_the_verdict_of_its_exit_status():
+    """The first look finds no connection ("ok"); 6 opened while watch samples are a risk on 2 base threads. The
+    exit status is 1 for them, so the last lines must say so (they said "ok" and "no stalled connection")."""
+    with emulator_process("--http-threads", "2", "--keepalive-timeout", "60") as server:
+        args = ("--port", str(server.port), "--watch", "3", "--interval", "0.2", "--stall-seconds", "30")
+        with watcher(*args) as running:
+            _wait_for(lambda: any(line.startswith("watching ") for _, line in running.errors), 30, "watching line")
+            with burst(server.port, 6):
+                code = running.finish(timeout=30)
+    lines = [line for _, line in running.lines]
+    assert "  ok: 0 client connections <= 2 base HTTP threads" in lines  # the first look, before the burst
+    assert code == 1, lines
+    assert re.fullmatch(
+        rf"emulator pid \d+ on 127\.0\.0\.1:{server.port}: RISK: build b11434 \(before b11737\) with up to 6 client "
+        r"connections during the watch > 2 base HTTP threads: .*",
+        lines[-2],
+    ), lines
+    assert lines[-1] == (
+        "no stalled connection in 3 s (too short to see one: a stall takes --stall-seconds 30 s), "
+        "but 1 server(s) at RISK (above)"
+    )
+
+
+def test_one_look_at_several_servers_ends_with_how_many_are_at_risk():
+    with emulator_process(*BUGGY) as server, burst(server.port, 3), socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        _wait_for(lambda: len(_server_side(server.port)) == 4, 5, "3 connections and the listener in /proc")
+        out = io.StringIO()
+        code = run_watch(WatchOptions(ports=(server.port, other.getsockname()[1])), out=out, err=io.StringIO())
+    lines = out.getvalue().splitlines()
+    assert code == 1, lines
+    assert "  RISK: build b11434 (before b11737) with 3 client connections > 2 base HTTP threads" in lines[4]
+    assert lines[-1] == "2 servers, 1 at RISK"  # not the last server's own "0 client connections"
+
+
+@contextlib.contextmanager
+def _queued_connections() -> Iterator[int]:
+    """A listener on loopback that never accepts, holding 2 idle connections, 1 with a request, 3 whose clients
+    sent a request and closed (CLOSE-WAIT, unread), and 1 whose client closed without sending anything. Yields its
+    port once ``/proc`` shows them all so."""
+    with contextlib.ExitStack() as stack:
+        listener = stack.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        port = listener.getsockname()[1]
+        clients = [stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=5)) for _ in range(7)]
+        for client in clients[2:6]:
+            client.sendall(HEALTH)
+        for client in clients[3:]:
+            client.close()
+        # Recv-Q counts the FIN of a CLOSE-WAIT socket as a byte until the process reads the end of the stream.
+        closed = [(CLOSE_WAIT, len(HEALTH) + 1)] * 3 + [(CLOSE_WAIT, 1)]
+        expected = sorted([(ESTABLISHED, 0)] * 2 + [(ESTABLISHED, len(HEALTH))] + closed + [(LISTEN, 7)])
+        _wait_for(lambda: _server_side(port) == expected, 5, f"connections in their states: {expected}")
+        yield port
+
+
+def test_connections_closed_by_their_client_are_counted_apart():
+    """A request left unread in a connection its client closed stays in the server's socket (CLOSE-WAIT): counted
+    with the established ones, "0 established, 3 with request bytes unread" read as a contradiction. A closed one
+    that holds no request (only the FIN) is not unread."""
+    with _queued_connections() as port:
+        out = io.StringIO()
+        assert run_watch(WatchOptions(ports=(port,)), out=out, err=io.StringIO()) == 0
+        assert (
+            "  client connections: 3 established, 1 of them with request bytes unread right now; "
+            "4 more closed by their client (CLOSE-WAIT), 3 of them with request bytes unread"
+        ) in out.getvalue().splitlines()
+        out = io.StringIO()
+        assert run_watch(WatchOptions(ports=(port,), json=True), out=out, err=io.StringIO()) == 0
+    (server,) = json.loads(out.getvalue())["servers"]
+    assert (server["connections"], server["unread_now"]) == (3, 4)  # as before: established; unread of either
+    assert (server["established_unread_now"], server["close_wait_now"], server["close_wait_unread_now"]) == (1, 4, 3)
+
+
+def test_a_connection_closed_without_a_request_is_no_stall():
+    """Its Recv-Q stays 1 (the FIN) until the server reads the end of the stream: that is no request unread."""
+    with _queued_connections() as port:
+        out = io.StringIO()
+        options = WatchOptions(ports=(port,), seconds=1.0, interval=0.25, stall_seconds=0.5, json=True)
+        assert run_watch(options, out=out, err=io.StringIO()) == 1
+    stalled = json.loads(out.getvalue())["watch"]["stalled"]
+    assert len(stalled) == 4, stalled  # the connection with a request and the 3 closed after sending theirs
+
+
+def test_a_server_asked_for_twice_is_reported_once():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        for options in (WatchOptions(ports=(port, port)), WatchOptions(pids=(os.getpid(),), ports=(port,))):
+            out = io.StringIO()
+            assert run_watch(replace(options, json=True), out=out, err=io.StringIO()) == 0
+            (server,) = json.loads(out.getvalue())["servers"]
+            assert server["pid"] == os.getpid()
+            assert f"127.0.0.1:{port}" in server["listen"]

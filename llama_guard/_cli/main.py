@@ -17,6 +17,7 @@ from typing import Any
 
 __all__ = ["COMMANDS", "EXIT_INTERRUPTED", "build_parser", "interrupted", "main"]
 
+from .._burst import MAX_BURST
 from .exits import EXIT_INTERRUPTED, interrupted, reader_gone
 
 Adder = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], argparse.ArgumentParser]
@@ -41,10 +42,6 @@ def _positive_int(text: str) -> int:
 
 def _count(text: str) -> int:
     return _whole(text, "a whole number of at least 0 (0 turns it off)", 0)
-
-
-#: The most connections one burst opens (doctor's --burst, the demo's --clients): the emulator's and open_burst's.
-MAX_BURST = 4096
 
 
 def _burst(text: str) -> int:
@@ -287,6 +284,11 @@ class _VersionAction(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build_parsers()[0]
+
+
+def _build_parsers() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser, and each command's by name."""
     parser = argparse.ArgumentParser(
         prog="llama-guard",
         description="Make pooled HTTP clients (httpx, httpx2, aiohttp, requests and urllib3) safe against llama.cpp's "
@@ -298,28 +300,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the version, and the version of each HTTP library the guard covers (tested or not), and exit",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add, _ in COMMANDS.values():
-        add(commands)
-    return parser
+    return parser, {name: add(commands) for name, (add, _) in COMMANDS.items()}
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     """The arguments, or exit 2 with an error from the parser they belong to: a command's unknown option gets that
     command's usage line (argparse gives the top level's), and no command at all lists the commands."""
+    parser, command_parsers = _build_parsers()
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         parser.print_usage(sys.stderr)
         parser.exit(2, f"{parser.prog}: error: give a command: {', '.join(COMMANDS)} (llama-guard COMMAND --help)\n")
     args, extra = parser.parse_known_args(argv)
     if extra:
-        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        subparsers.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+        command_parsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = _parse(build_parser(), argv)  # --version prints here
+        args = _parse(argv)  # --version prints here
         verbose = getattr(args, "verbose", False)
         logging.basicConfig(level=logging.WARNING if verbose else logging.ERROR, format="%(message)s")
         _, run = COMMANDS[args.command]

@@ -24,14 +24,35 @@ from ..._core.llama_server import build_number
 from ..._core.policy import GuardPolicy
 from ..._httpx.sync_transport import GuardTransport
 from ..load import LoadRow, proxy_load
-from .model import BurstCheck, BurstRound, DoctorError, Identity, KeepAliveCheck, Target, base_candidates
-from .wire import RawConnection, RawResponse, WireError, connect, read_first_bytes
+from .model import (
+    REUSE_CLOSED,
+    REUSE_RESET,
+    BurstCheck,
+    BurstRound,
+    DoctorError,
+    Identity,
+    KeepAliveCheck,
+    Target,
+    base_candidates,
+)
+from .progress import SILENT, Waits
+from .wire import (
+    ClosedUnanswered,
+    NotHttp,
+    RawConnection,
+    RawResponse,
+    WireError,
+    connect,
+    read_first_bytes,
+    shown_bytes,
+)
 
 __all__ = [
     "BURST_WINDOW",
     "LOAD_CONNECTIONS",
     "LOAD_WORKERS",
     "burst_check",
+    "burst_window",
     "locate",
     "keepalive_check",
     "load_check",
@@ -44,8 +65,9 @@ CHAT = "/v1/chat/completions"
 STREAM_CLOSE_WAIT = 1.0
 #: How long a non-streamed response's connection must stay open before the second request on it.
 NONSTREAM_OPEN_WAIT = 0.3
-#: A connection of the burst whose ``GET /health`` gets no byte within this is stalled: a server thread answers
-#: /health in milliseconds, and llama-server's keep-alive timeout (5 s) would free a thread soon after.
+#: A connection of the burst whose ``GET /health`` gets no byte within this (or ``--timeout``, if shorter) is
+#: stalled: a server thread answers /health in milliseconds, and llama-server's keep-alive timeout (5 s) would free
+#: a thread soon after.
 BURST_WINDOW = 3.0
 #: Bursts until one stalls: the defect is a race, and a burst in which every connection is served ends at once.
 BURST_ROUNDS = 3
@@ -100,6 +122,14 @@ def describe_error(exc: BaseException, target: Target, what: str, timeout: float
         return f"cannot connect to {where}: no answer to the connection attempt within {timeout:g} s"
     if isinstance(exc, TimeoutError):
         return f"{where} accepted the connection but sent no complete answer to {what} within {timeout:g} s"
+    if isinstance(exc, ClosedUnanswered):
+        return f"{where} closed the connection without answering {what}"
+    if isinstance(exc, NotHttp):
+        tls = " (a TLS record: is it an https:// server?)" if exc.first[:1] in (b"\x15", b"\x16") else ""
+        return (
+            f"{where} answered {what}, but not in HTTP: {shown_bytes(exc.first)}{tls} (an HTTP answer starts with "
+            "'HTTP/'); is that port llama-server's?"
+        )
     if isinstance(exc, WireError):
         return f"{where} did not answer {what} in HTTP/1.1: {exc}"
     if isinstance(exc, OSError):
@@ -107,9 +137,10 @@ def describe_error(exc: BaseException, target: Target, what: str, timeout: float
     return f"{what} to {where} failed: {exc}"
 
 
-def _open(target: Target, timeout: float) -> RawConnection:
+def _open(target: Target, timeout: float, waits: Waits) -> RawConnection:
     try:
-        sock = connect(target.host, target.port, timeout)
+        with waits.waiting(f"{target.host_header} to accept the connection", timeout):
+            sock = connect(target.host, target.port, timeout)
     except TimeoutError as exc:
         raise _ConnectTimeout(str(exc)) from exc
     return RawConnection(sock, target.host_header)
@@ -126,10 +157,10 @@ def _server_message(response: RawResponse) -> str | None:
     return message[:200] if isinstance(message, str) else None
 
 
-def _get(target: Target, path: str, timeout: float, api_key: str | None) -> RawResponse:
+def _get(target: Target, path: str, timeout: float, api_key: str | None, waits: Waits) -> RawResponse:
     what = f"GET {target.path(path)}"
     try:
-        with _open(target, timeout) as conn:
+        with _open(target, timeout, waits) as conn, waits.waiting(f"an answer to {what}", timeout):
             headers = (("Connection", "close"), *_auth(api_key))
             return conn.request("GET", target.path(path), timeout=timeout, headers=headers)
     except (OSError, WireError) as exc:
@@ -144,13 +175,16 @@ def _props_document(props: RawResponse) -> dict[str, object]:
     return document if isinstance(document, dict) else {}
 
 
-def locate(target: Target, timeout: float, api_key: str | None) -> tuple[Target, Identity]:
+def locate(
+    target: Target, timeout: float, api_key: str | None, *, key_from: str | None = None, waits: Waits = SILENT
+) -> tuple[Target, Identity]:
     """Find llama-server behind the URL given: ``GET /health`` and ``GET /props`` under its path, then under each
     shorter prefix down to the root (a ``/v1`` base URL is the root's). The base found, and who is there;
-    DoctorError when it cannot be examined, naming every path tried."""
+    DoctorError when it cannot be examined, naming every path tried. ``key_from`` names where ``api_key`` came
+    from (``--api-key``, ``LLAMA_API_KEY``), for the error when the server rejects it."""
     tried: list[str] = []
     for candidate in base_candidates(target):
-        health = _get(candidate, "/health", timeout, api_key)
+        health = _get(candidate, "/health", timeout, api_key, waits)
         server = health.header("Server")
         is_llama_header = (server or "").lower().startswith("llama.cpp")
         if health.status == 503 and is_llama_header:
@@ -159,7 +193,15 @@ def locate(target: Target, timeout: float, api_key: str | None) -> tuple[Target,
                 f"{candidate.url} is not ready (GET {candidate.path('/health')} answered 503: {message}); "
                 "run doctor again once it answers 200"
             )
-        props = _get(candidate, "/props", timeout, api_key)
+        props = _get(candidate, "/props", timeout, api_key, waits)
+        if props.status in (401, 403) and (is_llama_header or health.status == 200) and api_key:
+            # The key was sent and refused: a wrong key, not a missing one. The server's words, never the key.
+            said = (_server_message(props) or "").replace(api_key, "***")
+            raise DoctorError(
+                f"{candidate.url} rejected the API key given with {key_from or '--api-key'} (GET "
+                f"{candidate.path('/props')} answered {props.status}{': ' + said if said else ''}); give the key "
+                "the server was started with (its --api-key)"
+            )
         if props.status in (401, 403) and (is_llama_header or health.status == 200):
             raise DoctorError(
                 f"{candidate.url} wants an API key (GET {candidate.path('/props')} answered {props.status}); "
@@ -195,19 +237,26 @@ def _identity(server: str | None, info: dict[str, object]) -> Identity:
 
 
 def keepalive_check(
-    target: Target, *, stream: bool, timeout: float, max_tokens: int, api_key: str | None
+    target: Target,
+    *,
+    stream: bool,
+    timeout: float,
+    max_tokens: int,
+    api_key: str | None,
+    waits: Waits = SILENT,
 ) -> KeepAliveCheck:
     """A completion on a fresh connection asking for keep-alive; then: does the server close, or serve a second
     request on it?"""
     what = f"{'streamed ' if stream else ''}POST {target.path(CHAT)}"
     try:
-        conn = _open(target, timeout)
+        conn = _open(target, timeout, waits)
     except OSError as exc:
         return KeepAliveCheck(stream, error=describe_error(exc, target, what, timeout))
     with conn:
         try:
             body = chat_body(stream=stream, max_tokens=max_tokens)
-            response = conn.request("POST", target.path(CHAT), timeout=timeout, body=body, headers=_auth(api_key))
+            with waits.waiting(f"the complete answer to {what}", timeout):
+                response = conn.request("POST", target.path(CHAT), timeout=timeout, body=body, headers=_auth(api_key))
         except (OSError, WireError) as exc:
             return KeepAliveCheck(stream, error=describe_error(exc, target, what, timeout))
         check = KeepAliveCheck(
@@ -222,49 +271,62 @@ def keepalive_check(
         )
         if not check.answered or check.announced_close:
             return check
-        after, when = conn.wait_closed(STREAM_CLOSE_WAIT if stream else NONSTREAM_OPEN_WAIT)
+        after, when = conn.wait_closed(min(STREAM_CLOSE_WAIT if stream else NONSTREAM_OPEN_WAIT, timeout))
         if after != "open":
             closed_after = when - response.ended_at if after in ("eof", "reset") else None
             return replace(check, after=after, closed_after=closed_after)
         second = f"GET {target.path('/health')} on the same connection"
         try:
             # "Connection: close" on the second: the server must still read and answer it; then it lets go.
-            answer = conn.request("GET", target.path("/health"), timeout=timeout, headers=(("Connection", "close"),))
+            with waits.waiting(f"an answer to {second}", timeout):
+                answer = conn.request(
+                    "GET", target.path("/health"), timeout=timeout, headers=(("Connection", "close"),)
+                )
+        except ClosedUnanswered:
+            return replace(check, after="open", reuse=REUSE_CLOSED)
+        except (ConnectionResetError, BrokenPipeError):
+            return replace(check, after="open", reuse=REUSE_RESET)
         except (OSError, WireError) as exc:
             return replace(check, after="open", reuse=describe_error(exc, target, second, timeout))
         return replace(check, after="open", reuse=f"answered {answer.status}")
 
 
-def burst_check(target: Target, connections: int, timeout: float, progress: TextIO | None = None) -> BurstCheck:
+def burst_window(timeout: float) -> float:
+    """How long a connection of the burst may take to answer before it counts as stalled."""
+    return min(BURST_WINDOW, timeout)
+
+
+def burst_check(target: Target, connections: int, timeout: float, waits: Waits = SILENT) -> BurstCheck:
     """Open ``connections`` connections at once, send ``GET /health`` on each, and time every first byte; up to
     ``BURST_ROUNDS`` bursts, stopping at the first in which a connection stalls."""
     request = f"GET {target.path('/health')} HTTP/1.1\r\nHost: {target.host_header}\r\n\r\n".encode()
+    window = burst_window(timeout)
     rounds: list[BurstRound] = []
     for number in range(BURST_ROUNDS):
         if number:
-            if progress is not None:
-                print(
-                    f"      burst {number} of up to {BURST_ROUNDS}: every connection answered; next burst in "
-                    f"{BURST_PAUSE:g} s (the server's extra threads must exit first) ...",
-                    file=progress,
-                    flush=True,
-                )
+            waits.say(
+                f"burst {number} of up to {BURST_ROUNDS}: every connection answered; next burst in {BURST_PAUSE:g} s "
+                "(the server's extra threads must exit first) ..."
+            )
             time.sleep(BURST_PAUSE)
         try:
-            socks = open_burst(target.host, target.port, connections, timeout=timeout)
+            with waits.waiting(f"{target.host_header} to accept {connections} connections", timeout):
+                socks = open_burst(target.host, target.port, connections, timeout=timeout)
         except (OSError, TimeoutError) as exc:
             return BurstCheck(connections, tuple(rounds), error=f"could not open {connections} connections: {exc}")
         try:
             for sock in socks:
                 sock.sendall(request)
             sent_at = time.monotonic()
-            first_bytes = read_first_bytes(socks, sent_at, sent_at + BURST_WINDOW)
+            what = f"the first byte of an answer to GET {target.path('/health')} on each of {connections} connections"
+            with waits.waiting(what, window, "the burst's window"):
+                first_bytes = read_first_bytes(socks, sent_at, sent_at + window)
         except OSError as exc:
             return BurstCheck(connections, tuple(rounds), error=f"the burst's connections failed: {exc}")
         finally:
             for sock in socks:
                 sock.close()
-        rounds.append(BurstRound(tuple(first_bytes), BURST_WINDOW))
+        rounds.append(BurstRound(tuple(first_bytes), window))
         if rounds[-1].stalled:
             break
     return BurstCheck(connections, tuple(rounds))

@@ -18,11 +18,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..._burst import MAX_BURST
 from ..._core.llama_server import build_has_pool_defect
 from ..exits import run_command
 from ..load import LoadRow
-from .checks import LOAD_CONNECTIONS, LOAD_WORKERS, burst_check, keepalive_check, load_check, locate, stuck_bound
-from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target
+from .checks import (
+    BURST_PAUSE,
+    BURST_ROUNDS,
+    BURST_WINDOW,
+    LOAD_CONNECTIONS,
+    LOAD_WORKERS,
+    burst_check,
+    burst_window,
+    keepalive_check,
+    load_check,
+    locate,
+    stuck_bound,
+)
+from .model import AFFECTED, COULD_NOT_TELL, DoctorError, DoctorRun, Finding, Target, parse_target, redact_url
+from .progress import Waits
 from .report import check_report_path, write_report
 from .verdict import OTHER_CLIENTS, LoadShape, client_finding, exit_code, findings
 
@@ -53,16 +67,21 @@ def run_doctor(options: DoctorOptions, *, out: TextIO | None = None, err: TextIO
     def body(out: TextIO, err: TextIO) -> int:
         return _diagnose(options, out, err)
 
-    return run_command("doctor", body, DoctorError, out=out, err=err, json=options.json, url=options.url)
+    # The URL as given goes into a --json error: never with its password.
+    return run_command("doctor", body, DoctorError, out=out, err=err, json=options.json, url=redact_url(options.url))
 
 
 def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     target = parse_target(options.url)
+    if not 0 <= options.burst <= MAX_BURST:
+        raise DoctorError(f"--burst {options.burst}: expected a whole number from 0 (off) to {MAX_BURST:,}")
     if options.report is not None:
         check_report_path(options.report)
     api_key = options.api_key if options.api_key is not None else os.environ.get("LLAMA_API_KEY") or None
+    key_from = None if not api_key else "--api-key" if options.api_key else "LLAMA_API_KEY"
     run = DoctorRun(target, started=time.monotonic())
     progress = None if options.quiet else err
+    waits = Waits(progress)
     steps: list[tuple[str, Callable[[], None]]] = []
 
     def step(title: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
@@ -77,7 +96,7 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     @step(f"identity: GET /health and GET /props on {target.url}{shorter}")
     def _identity() -> None:
         nonlocal target
-        found, run.identity = locate(target, options.timeout, api_key)
+        found, run.identity = locate(target, options.timeout, api_key, key_from=key_from, waits=waits)
         if found != target:
             run.given_url, run.target, target = target.url, found, found
         if not options.quiet:
@@ -87,13 +106,13 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
     @step("a streamed completion on a new connection: does the server close it after the final chunk?")
     def _stream() -> None:
         run.stream = keepalive_check(
-            target, stream=True, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key
+            target, stream=True, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key, waits=waits
         )
 
     @step("a non-streamed completion, then a second request on the same connection")
     def _nonstream() -> None:
         run.nonstream = keepalive_check(
-            target, stream=False, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key
+            target, stream=False, timeout=options.timeout, max_tokens=options.max_tokens, api_key=api_key, waits=waits
         )
 
     def bound() -> float:
@@ -116,7 +135,12 @@ def _diagnose(options: DoctorOptions, out: TextIO, err: TextIO) -> int:
 
         @step(f"burst: {options.burst} connections opened at once, GET /health on each")
         def _burst() -> None:
-            run.burst = burst_check(target, options.burst, options.timeout, progress)
+            waits.say(
+                f"a connection with no answer within {burst_window(options.timeout):g} s counts as stalled (the "
+                f"burst's window: {BURST_WINDOW:g} s, or --timeout if shorter); up to {BURST_ROUNDS} bursts, "
+                f"{BURST_PAUSE:g} s apart, until one stalls"
+            )
+            run.burst = burst_check(target, options.burst, options.timeout, waits)
 
     for number, (title, function) in enumerate(steps, 1):
         if not options.quiet:

@@ -13,6 +13,8 @@ __all__ = [
     "AFFECTED",
     "COULD_NOT_TELL",
     "NOT_AFFECTED",
+    "REUSE_CLOSED",
+    "REUSE_RESET",
     "BurstCheck",
     "BurstRound",
     "DoctorError",
@@ -24,6 +26,7 @@ __all__ = [
     "Target",
     "base_candidates",
     "parse_target",
+    "redact_url",
 ]
 
 Status = Literal["affected", "not_affected", "could_not_tell"]
@@ -62,8 +65,32 @@ class Target:
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(?!\d)")
 
 
+_NO_USER = "no user or password allowed (doctor sends none; a server's --api-key goes in --api-key or LLAMA_API_KEY)"
+
+
+def _password(url: str) -> tuple[int, int] | None:
+    """Where the password of ``url``'s userinfo is (``user:PASSWORD@``), or None. The userinfo ends at the last
+    ``@``: a password may hold ``/``, ``?``, ``#`` or ``@`` unescaped, and must not show through a wrong split."""
+    start = url.find("://") + 3 if "://" in url else 0
+    at = url.rfind("@")
+    colon = url.find(":", start, at) if at > start else -1
+    return (colon + 1, at) if colon >= 0 else None
+
+
+def redact_url(url: str) -> str:
+    """``url`` safe to print: a password in it shown as ``***`` (``http://user:***@host:8080``)."""
+    where = _password(url)
+    return url if where is None else url[: where[0]] + "***" + url[where[1] :]
+
+
 def parse_target(url: str) -> Target:
-    """``http://127.0.0.1:8080`` (a bare ``HOST:PORT`` too) -> Target; DoctorError naming what is accepted."""
+    """``http://127.0.0.1:8080`` (a bare ``HOST:PORT`` too) -> Target; DoctorError naming what is accepted, with
+    any password in the URL shown as ``***``."""
+    where = _password(url)
+    return _parse_target(url, redact_url(url), url[where[0] : where[1]] if where is not None else "")
+
+
+def _parse_target(url: str, shown: str, secret: str) -> Target:
     accepted = "expected http://HOST[:PORT][/PATH], e.g. http://127.0.0.1:8080"
     text = url.strip()
     scheme = _SCHEME.match(text)
@@ -72,26 +99,30 @@ def parse_target(url: str) -> Target:
         name = scheme.group(1)
         if name.lower() == "https":
             raise DoctorError(
-                f"bad URL {url!r}: only http:// is supported (the checks watch llama-server's own plain-HTTP "
+                f"bad URL {shown!r}: only http:// is supported (the checks watch llama-server's own plain-HTTP "
                 f"connections; run doctor against the server, not a TLS proxy); {accepted}"
             )
         if name.lower() != "http":
-            raise DoctorError(f"bad URL {url!r}: unknown scheme {name + ':'!r} (did you mean 'http:'?); {accepted}")
+            raise DoctorError(f"bad URL {shown!r}: unknown scheme {name + ':'!r} (did you mean 'http:'?); {accepted}")
         if not text[scheme.end() :].startswith("//"):
-            raise DoctorError(f"bad URL {url!r}: malformed, 'http:' must be followed by '//'; {accepted}")
+            raise DoctorError(f"bad URL {shown!r}: malformed, 'http:' must be followed by '//'; {accepted}")
     elif "://" in text:
-        raise DoctorError(f"bad URL {url!r}: malformed scheme before '://'; {accepted}")
+        raise DoctorError(f"bad URL {shown!r}: malformed scheme before '://'; {accepted}")
     else:
         text = "http://" + text
     try:
         parts = urllib.parse.urlsplit(text)
         port = parts.port
     except ValueError as exc:
-        raise DoctorError(f"bad URL {url!r}: {exc}; {accepted}") from None
+        if secret:  # urllib quotes the port it could not read: in "http://user:pw/x@host", the password's head
+            raise DoctorError(f"bad URL {shown!r}: {_NO_USER}; {accepted}") from None
+        raise DoctorError(f"bad URL {shown!r}: {exc}; {accepted}") from None
     if not parts.hostname:
-        raise DoctorError(f"bad URL {url!r}: no host; {accepted}")
-    if parts.query or parts.fragment or parts.username or parts.password:
-        raise DoctorError(f"bad URL {url!r}: no user, query or fragment allowed; {accepted}")
+        raise DoctorError(f"bad URL {shown!r}: no host; {accepted}")
+    if parts.username is not None or parts.password is not None:
+        raise DoctorError(f"bad URL {shown!r}: {_NO_USER}; {accepted}")
+    if parts.query or parts.fragment:
+        raise DoctorError(f"bad URL {shown!r}: no query or fragment allowed; {accepted}")
     return Target(parts.hostname, port if port is not None else 80, parts.path.rstrip("/"))
 
 
@@ -117,6 +148,11 @@ class Identity:
 
 AfterResponse = Literal["eof", "reset", "open", "data"]
 
+#: ``KeepAliveCheck.reuse`` when the server dropped the second request on a kept connection: the words the
+#: verdicts quote ("then the server closed the connection without answering the second request").
+REUSE_CLOSED = "closed the connection without answering the second request"
+REUSE_RESET = "reset the connection without answering the second request"
+
 
 @dataclass(frozen=True)
 class KeepAliveCheck:
@@ -137,7 +173,8 @@ class KeepAliveCheck:
     after: AfterResponse | None = None
     #: Seconds from the response's last byte to the close, when it closed.
     closed_after: float | None = None
-    #: The second request on the same connection, when it stayed open: "answered 200", or why it failed.
+    #: The second request on the same connection, when it stayed open: "answered 200", ``REUSE_CLOSED`` or
+    #: ``REUSE_RESET`` (dropped unanswered), or why else it failed.
     reuse: str | None = None
 
     @property

@@ -16,7 +16,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, DoctorError, DoctorRun, Finding
+from .model import (
+    AFFECTED,
+    COULD_NOT_TELL,
+    NOT_AFFECTED,
+    REUSE_CLOSED,
+    REUSE_RESET,
+    DoctorError,
+    DoctorRun,
+    Finding,
+)
 
 __all__ = ["check_report_path", "nice_ticks", "render_html", "seconds_label", "write_report"]
 
@@ -113,7 +122,9 @@ def _raw_rows(run: DoctorRun) -> list[tuple[str, str, str]]:
             outcome = f"HTTP {check.status}, then: {check.after or 'not watched'}"
             if check.closed_after is not None:
                 outcome += f" after {check.closed_after * 1000:.2f} ms"
-            if check.reuse is not None:
+            if check.reuse in (REUSE_CLOSED, REUSE_RESET):
+                outcome += f"; then the server {check.reuse}"
+            elif check.reuse is not None:
                 outcome += f"; second request {check.reuse}"
         rows.append((name, first, outcome))
     return rows

@@ -3,7 +3,8 @@
 Observed behaviour decides where it shows a defect. Where it does not, the build decides: the pool defect is a
 race that a clean burst does not rule out (measured on b11434: about 1 fresh server in 5 showed no stall in 3
 bursts), so a build before b11737 stays affected, a later one is not, and a build that does not know its number
-(``b0-unknown``, made from a source archive) leaves it "could not tell".
+(``b0-unknown``, made from a source archive) leaves it "could not tell". A burst that stalls on a build with the fix,
+after some of its connections were served, may only have gone past the server's thread limit: "could not tell".
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ from dataclasses import dataclass
 
 from ..._core.llama_server import FIRST_FIXED_BUILD, build_has_pool_defect, pool_fix_applied
 from ..load import LoadRow
-from .model import AFFECTED, COULD_NOT_TELL, NOT_AFFECTED, BurstCheck, Finding, Identity, KeepAliveCheck
+from .model import (
+    AFFECTED,
+    COULD_NOT_TELL,
+    NOT_AFFECTED,
+    REUSE_CLOSED,
+    REUSE_RESET,
+    BurstCheck,
+    Finding,
+    Identity,
+    KeepAliveCheck,
+)
 
 __all__ = [
     "CLIENT_DEFECT",
@@ -79,6 +90,13 @@ def _failure(check: KeepAliveCheck, what: str) -> str:
 def _announced(check: KeepAliveCheck) -> str:
     keep_alive = f"'Keep-Alive: {check.keep_alive_header}'" if check.keep_alive_header else "no Keep-Alive header"
     return f"{keep_alive} and no 'Connection: close', so a pooled client keeps the connection"
+
+
+def _reuse_failed(check: KeepAliveCheck, where: str) -> str:
+    """What became of the second request ``where`` (``on it``) when it was not answered."""
+    if check.reuse in (REUSE_CLOSED, REUSE_RESET):
+        return f"then the server {check.reuse} {where}"
+    return f"a second request {where} failed: {check.reuse}"
 
 
 def _closed(check: KeepAliveCheck) -> str:
@@ -195,7 +213,7 @@ def stream_finding(check: KeepAliveCheck, load: tuple[str, ...] = ()) -> Finding
         if check.reuse is not None and check.reuse.startswith("answered"):
             evidence = f"{head}; the connection stayed open and a second request on it was {check.reuse}"
             return Finding("stream-close", title, NOT_AFFECTED, (evidence, *load), None)
-        evidence = f"{head}; the connection stayed open a while, but a second request on it failed: {check.reuse}"
+        evidence = f"{head}; the connection stayed open a while; {_reuse_failed(check, 'on it')}"
         return Finding("stream-close", title, AFFECTED, (evidence, *load), STREAM_FIX)
     evidence = f"{head}; then the server sent bytes that belong to no request"
     return Finding("stream-close", title, COULD_NOT_TELL, (evidence, *load), None)
@@ -216,7 +234,7 @@ def nonstream_finding(check: KeepAliveCheck) -> Finding:
         evidence = f"{head}; a second request on the same connection was {check.reuse}"
         return Finding("nonstream-keepalive", title, NOT_AFFECTED, (evidence,), None)
     if check.after == "open":
-        evidence = f"{head}; a second request on the same connection failed: {check.reuse}"
+        evidence = f"{head}; {_reuse_failed(check, 'on the same connection')}"
         return Finding("nonstream-keepalive", title, AFFECTED, (evidence,), NONSTREAM_FIX)
     evidence = f"{head}; then the server sent bytes that belong to no request"
     return Finding("nonstream-keepalive", title, COULD_NOT_TELL, (evidence,), None)
@@ -249,6 +267,17 @@ def pool_finding(identity: Identity, burst: BurstCheck | None) -> Finding:
                 f"{stalled.stalled} of {burst.connections} connections opened at once got no answer to GET /health "
                 f"within {stalled.window:g} s{others}"
             )
+            if defect is False and answered:
+                # A fixed pool still runs at most so many threads: a burst past that stalls without the defect.
+                served = len(answered)
+                limit = (
+                    f"with the fix, a connection beyond the HTTP threads the server can run waits for a free one: the "
+                    f"{stalled.stalled} unanswered may be that limit ({burst.connections} connections are more than "
+                    f"the {served} it served at once), not defect 2; run doctor again with --burst below {served} "
+                    f"to tell, and if your clients keep more than {served} connections open at once, give "
+                    "llama-server more HTTP threads (--threads-http)"
+                )
+                return Finding("unread-first-request", title, COULD_NOT_TELL, (evidence, build, limit), None)
             return Finding("unread-first-request", title, AFFECTED, (evidence, build), POOL_FIX)
         slowest = max((value for item in burst.rounds for value in item.first_bytes if value is not None), default=0)
         clean = (

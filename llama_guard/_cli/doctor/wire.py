@@ -8,7 +8,6 @@ responses. Every wait has a deadline, and a wait that runs out raises ``TimeoutE
 from __future__ import annotations
 
 import json
-import select
 import selectors
 import socket
 import time
@@ -17,13 +16,53 @@ from typing import Literal
 
 import h11
 
-__all__ = ["RawConnection", "RawResponse", "WireError", "connect", "read_first_bytes"]
+from ..._readiness import ready
+
+__all__ = [
+    "ClosedUnanswered",
+    "NotHttp",
+    "RawConnection",
+    "RawResponse",
+    "WireError",
+    "connect",
+    "read_first_bytes",
+    "shown_bytes",
+]
 
 AfterResponse = Literal["eof", "reset", "open", "data"]
 
 
 class WireError(Exception):
     """The server broke HTTP: closed in the middle of a response, or sent something that is not HTTP/1.1."""
+
+
+class ClosedUnanswered(WireError):
+    """The server closed the connection (an end of file) before sending a byte of the response."""
+
+
+class NotHttp(WireError):
+    """The server answered with bytes that cannot begin an HTTP response (which starts with ``HTTP/``)."""
+
+    def __init__(self, first: bytes) -> None:
+        self.first = first
+        super().__init__(f"not HTTP: {shown_bytes(first)}")
+
+
+#: How much of a non-HTTP answer an error shows.
+SHOWN_BYTES = 60
+
+
+def shown_bytes(data: bytes, limit: int = SHOWN_BYTES) -> str:
+    """``data`` safe to print on one line: printable ASCII as it is, anything else escaped (``\\r``, ``\\x1b``),
+    cut after ``limit`` bytes, in double quotes."""
+    escapes = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r", 0x5C: "\\\\", 0x22: '\\"'}
+    text = "".join(escapes.get(byte, chr(byte) if 0x20 <= byte < 0x7F else f"\\x{byte:02x}") for byte in data[:limit])
+    return f'"{text}"' + ("..." if len(data) > limit else "")
+
+
+def _cannot_be_http(buffered: bytes) -> bool:
+    start = buffered[:5]
+    return start != b"HTTP/"[: len(start)]
 
 
 @dataclass(frozen=True)
@@ -86,18 +125,34 @@ class RawConnection:
         self._sent_at = time.monotonic()
 
     def read_response(self, timeout: float) -> RawResponse:
-        """The complete response to the last request; TimeoutError if it is not complete within ``timeout``."""
+        """The complete response to the last request; TimeoutError if it is not complete within ``timeout``;
+        ``NotHttp`` as soon as the first bytes cannot begin an HTTP response; ``ClosedUnanswered`` when the server
+        closed the connection without a byte of an answer."""
         deadline = time.monotonic() + timeout
         status = 0
         headers: tuple[tuple[str, str], ...] = ()
         body = bytearray()
         first_at = 0.0
+        closed = False
+        # The first bytes of this answer: h11 may have consumed them by the time it finds them wrong.
+        head = bytearray()
         while True:
             try:
                 event = self._h11.next_event()
             except h11.RemoteProtocolError as exc:
+                seen = self._h11.trailing_data[0] or bytes(head)
+                if not status and seen and _cannot_be_http(seen):
+                    raise NotHttp(seen) from None
+                if closed and not status and not first_at:
+                    raise ClosedUnanswered("the server closed the connection without answering") from None
+                if closed:
+                    raise WireError("the server closed the connection before the response was complete") from None
                 raise WireError(f"not a valid HTTP/1.1 response: {exc}") from exc
             if event is h11.NEED_DATA:
+                buffered = self._h11.trailing_data[0]
+                # h11 waits for a whole head; bytes that cannot start one are known now, not at the timeout.
+                if not status and _cannot_be_http(buffered):
+                    raise NotHttp(buffered)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"no complete response within {timeout:g} s")
@@ -108,6 +163,9 @@ class RawConnection:
                     raise TimeoutError(f"no complete response within {timeout:g} s") from None
                 if data and not first_at:
                     first_at = time.monotonic()
+                closed = closed or not data
+                if not status and len(head) < 4 * SHOWN_BYTES:
+                    head += data[: 4 * SHOWN_BYTES]
                 self._h11.receive_data(data)
             elif isinstance(event, h11.Response):
                 status = event.status_code
@@ -138,7 +196,7 @@ class RawConnection:
         seconds, or send more (``data``)? With the time.monotonic() it happened (or the wait ended)."""
         if self._h11.trailing_data[0]:
             return "data", time.monotonic()
-        readable, _, _ = select.select([self.sock], [], [], timeout)
+        readable = ready([self.sock], timeout)
         now = time.monotonic()
         if not readable:
             return "open", now

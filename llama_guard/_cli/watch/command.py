@@ -3,7 +3,8 @@
 Finds the servers (every process named llama-server, or ``--pid``/``--port``), reads their settings from the
 command line, counts their client connections and flags the pool defect's risk. With ``--watch SECONDS`` it
 samples the servers' sockets every second and reports each connection whose request stays unread (Recv-Q > 0,
-never shrinking) for ``--stall-seconds``. Exit status: 0 nothing found, 1 a stall or a risk, 2 could not run.
+never shrinking) for ``--stall-seconds``. Exit status: 0 nothing found, 1 a stall or a risk, 2 could not run,
+130 interrupted.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,7 +32,7 @@ from .proc import (
     socket_inodes,
 )
 from .procnet import CLOSE_WAIT, ESTABLISHED, LISTEN, TcpSocket
-from .report import ServerView, assess, describe_server, event_line, server_json
+from .report import Counts, Moment, ServerView, assess, describe_server, event_line, server_json
 from .stall import ConnectionKey, QueueSample, StallEvent, StallTracker
 
 __all__ = ["WatchOptions", "run_watch"]
@@ -71,7 +72,7 @@ def find_servers(options: WatchOptions, sockets: list[TcpSocket]) -> list[Server
     proc = options.proc
     listeners = [sock for sock in sockets if sock.state == LISTEN]
     views: list[ServerView] = []
-    for pid in options.pids:
+    for pid in dict.fromkeys(options.pids):  # each asked for once, in the order given
         info = read_process(pid, proc)
         if info is None:
             raise WatchError(f"no process with pid {pid}")
@@ -85,7 +86,7 @@ def find_servers(options: WatchOptions, sockets: list[TcpSocket]) -> list[Server
         if not listen:
             raise WatchError(f"pid {pid} has no listening TCP socket (a server on a UNIX socket cannot be watched)")
         views.append(_view_of(info, listen, proc))
-    for port in options.ports:
+    for port in dict.fromkeys(options.ports):
         listen = [sock for sock in listeners if sock.local.port == port]
         if not listen:
             raise WatchError(f"nothing listens on TCP port {port}")
@@ -98,7 +99,7 @@ def find_servers(options: WatchOptions, sockets: list[TcpSocket]) -> list[Server
         for info in infos:
             views.append(_view_of(info, [sock for sock in listen if owners.get(sock.inode) == info.pid], proc))
     if options.pids or options.ports:
-        return views
+        return _one_view_per_process(views)
     for pid in list_pids(proc):
         info = read_process(pid, proc)
         if info is None or not is_llama_server(info.argv, info.exe):
@@ -119,6 +120,21 @@ def find_servers(options: WatchOptions, sockets: list[TcpSocket]) -> list[Server
     return views
 
 
+def _one_view_per_process(views: list[ServerView]) -> list[ServerView]:
+    """``--pid P --port X`` of the same process is one server (one thread pool), listening on all it was found on."""
+    merged: list[ServerView] = []
+    index_of: dict[int, int] = {}
+    for view in views:
+        if view.pid is None or view.pid not in index_of:
+            if view.pid is not None:
+                index_of[view.pid] = len(merged)
+            merged.append(view)
+            continue
+        first = merged[index_of[view.pid]]
+        merged[index_of[view.pid]] = replace(first, listen=tuple(sorted({*first.listen, *view.listen})))
+    return merged
+
+
 def _connections(view: ServerView, sockets: list[TcpSocket]) -> dict[ConnectionKey, TcpSocket]:
     """The server's client connections: its end matches one of its listening endpoints."""
     found: dict[ConnectionKey, TcpSocket] = {}
@@ -128,12 +144,14 @@ def _connections(view: ServerView, sockets: list[TcpSocket]) -> dict[ConnectionK
     return found
 
 
-def _established(connections: dict[ConnectionKey, TcpSocket]) -> int:
-    return sum(1 for sock in connections.values() if sock.state == ESTABLISHED)
-
-
-def _unread(connections: dict[ConnectionKey, TcpSocket]) -> int:
-    return sum(1 for sock in connections.values() if sock.rx_queue > 0)
+def _counts(connections: dict[ConnectionKey, TcpSocket]) -> Counts:
+    socks = connections.values()
+    return Counts(
+        established=sum(1 for sock in socks if sock.state == ESTABLISHED),
+        established_unread=sum(1 for sock in socks if sock.state == ESTABLISHED and sock.unread > 0),
+        close_wait=sum(1 for sock in socks if sock.state == CLOSE_WAIT),
+        close_wait_unread=sum(1 for sock in socks if sock.state == CLOSE_WAIT and sock.unread > 0),
+    )
 
 
 def _alive(view: ServerView, proc: Path) -> bool:
@@ -144,8 +162,7 @@ def _alive(view: ServerView, proc: Path) -> bool:
 class _Watched:
     view: ServerView
     max_established: int = 0
-    last_established: int = 0
-    last_unread: int = 0
+    last: Counts = field(default_factory=Counts)
     exited: bool = False
 
 
@@ -163,12 +180,12 @@ def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
     cpus = os.cpu_count() or 1
     sockets = read_sockets(options.proc)
     watched = [_Watched(view) for view in find_servers(options, sockets)]
+    first_look: Moment = "now" if options.seconds is None else "watching"
     for item in watched:
-        connections = _connections(item.view, sockets)
-        item.max_established = item.last_established = _established(connections)
-        item.last_unread = _unread(connections)
+        item.last = _counts(_connections(item.view, sockets))
+        item.max_established = item.last.established
         if not options.json:
-            print("\n".join(describe_server(item.view, item.last_established, item.last_unread, cpus)), file=out)
+            print("\n".join(describe_server(item.view, item.last, cpus, first_look)), file=out)
     events: list[tuple[float, StallEvent]] = []
     tracker = StallTracker(options.stall_seconds)
     started = time.monotonic()
@@ -180,21 +197,26 @@ def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
             file=err,
             flush=True,
         )
+        if options.seconds < options.stall_seconds:
+            print(
+                f"llama-guard watch: note: --watch {options.seconds:g} s is shorter than --stall-seconds "
+                f"{options.stall_seconds:g} s: no stall can be seen in this watch, only the connection counts",
+                file=err,
+                flush=True,
+            )
         try:
             _sample_loop(options, watched, tracker, events, started, out)
         except KeyboardInterrupt:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             print("llama-guard watch: interrupted; what was seen so far follows", file=err, flush=True)
             was_interrupted = True
-    risks = [assess(item.view, item.max_established, cpus) for item in watched]
-    flagged = any(risk.risk == "risk" for risk in risks) or bool(tracker.stalled)
-    code = EXIT_INTERRUPTED if was_interrupted else 1 if flagged else 0
+    last_look: Moment = "now" if options.seconds is None else "watched"
+    risks = [assess(item.view, item.max_established, cpus, last_look) for item in watched]
+    at_risk = sum(1 for risk in risks if risk.risk == "risk")
+    code = EXIT_INTERRUPTED if was_interrupted else 1 if at_risk or tracker.stalled else 0
     if options.json:
         document: dict[str, Any] = {
-            "servers": [
-                server_json(item.view, item.last_established, item.max_established, item.last_unread, cpus)
-                for item in watched
-            ],
+            "servers": [server_json(item.view, item.last, item.max_established, cpus, last_look) for item in watched],
             "watch": None
             if options.seconds is None
             else {
@@ -220,8 +242,15 @@ def _watch_servers(options: WatchOptions, out: TextIO, err: TextIO) -> int:
         }
         print(json.dumps(document, indent=2), file=out)
     elif options.seconds is not None:
+        # The exit status is judged on the most connections seen, which the first look may not have shown: each
+        # server's verdict on them, then the summary, so that the last line says what the exit status says.
+        for item, risk in zip(watched, risks, strict=True):
+            print(f"{item.view.name}: {risk.message}", file=out)
         # The time asked for (or less, when interrupted), not what the last slow read of /proc stretched it to.
-        print(_summary(tracker, min(time.monotonic() - started, options.seconds)), file=out)
+        elapsed = min(time.monotonic() - started, options.seconds)
+        print(_summary(tracker, elapsed, options.stall_seconds, at_risk), file=out)
+    elif len(watched) > 1:  # one look at several servers: the last one's verdict is not the exit status's
+        print(f"{len(watched)} servers, {at_risk or 'none'} at RISK", file=out)
     return code
 
 
@@ -248,10 +277,9 @@ def _sample_loop(
                 print(f"{item.view.name}: the process exited", file=out, flush=True)
                 continue
             connections = _connections(item.view, sockets)
-            item.last_established = _established(connections)
-            item.last_unread = _unread(connections)
-            item.max_established = max(item.max_established, item.last_established)
-            samples.update({key: QueueSample(sock.rx_queue, sock.state) for key, sock in connections.items()})
+            item.last = _counts(connections)
+            item.max_established = max(item.max_established, item.last.established)
+            samples.update({key: QueueSample(sock.unread, sock.state) for key, sock in connections.items()})
         for event in tracker.update(now, samples):
             events.append((now - started, event))
             if not options.json:
@@ -263,12 +291,18 @@ def _sample_loop(
         time.sleep(max(0.0, min(started + tick * options.interval, end) - time.monotonic()))
 
 
-def _summary(tracker: StallTracker, elapsed: float) -> str:
+def _summary(tracker: StallTracker, elapsed: float, stall_seconds: float, at_risk: int) -> str:
+    """The last line of a watch: the stalls seen, and the servers at risk (either one makes the exit status 1)."""
+    risk = f"{at_risk} server(s) at RISK (above)" if at_risk else ""
     if not tracker.stalled:
-        return f"no stalled connection in {elapsed:.0f} s"
+        text = f"no stalled connection in {elapsed:.0f} s"
+        if elapsed < stall_seconds:
+            text += f" (too short to see one: a stall takes --stall-seconds {stall_seconds:g} s)"
+        return f"{text}, but {risk}" if risk else text
     still = len(tracker.unread_now())
     longest = max(tracker.stalled.values())
-    return (
+    text = (
         f"{len(tracker.stalled)} stalled connection(s) in {elapsed:.0f} s (longest unread {longest:.0f} s, "
         f"{still} still unread at the end)"
     )
+    return f"{text}, and {risk}" if risk else text

@@ -90,6 +90,14 @@ class TcpSocket:
     inode: int
 
     @property
+    def unread(self) -> int:
+        """Bytes received and not read yet. Recv-Q counts a received FIN as one more until the process reads the
+        end of the stream, so a CLOSE-WAIT socket whose client sent nothing shows Recv-Q 1: not a request."""
+        if self.state == CLOSE_WAIT and self.rx_queue > 0:
+            return self.rx_queue - 1
+        return self.rx_queue
+
+    @property
     def state_name(self) -> str:
         return _STATE_NAMES.get(self.state, f"0x{self.state:02X}")
 

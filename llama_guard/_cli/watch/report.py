@@ -16,9 +16,22 @@ from .cmdline import ServerCommand
 from .procnet import Endpoint
 from .stall import StallEvent
 
-__all__ = ["Assessment", "ServerView", "assess", "describe_server", "event_line", "server_json"]
+__all__ = [
+    "Assessment",
+    "Counts",
+    "Moment",
+    "ServerView",
+    "assess",
+    "connections_text",
+    "describe_server",
+    "event_line",
+    "server_json",
+]
 
 Risk = Literal["risk", "possible", "ok", "unknown"]
+#: What a count of connections is: ``now``, one look; ``watching``, the first look of a ``--watch`` (so no hint
+#: to watch); ``watched``, the most seen during a ``--watch`` (what the exit status is judged on).
+Moment = Literal["now", "watching", "watched"]
 
 FIX = (
     f"upgrade llama-server to b{FIRST_FIXED_BUILD} or later, or start it with --threads-http above the number of "
@@ -48,29 +61,49 @@ class ServerView:
 
 
 @dataclass(frozen=True)
+class Counts:
+    """A server's client connections in one sample of ``/proc/net/tcp*``, by state. A CLOSE-WAIT one was closed
+    by its client and not yet by the server: a request still in it is unread, but nobody waits for the answer."""
+
+    established: int = 0
+    established_unread: int = 0
+    close_wait: int = 0
+    close_wait_unread: int = 0
+
+    @property
+    def unread(self) -> int:
+        return self.established_unread + self.close_wait_unread
+
+
+@dataclass(frozen=True)
 class Assessment:
     risk: Risk
     base_threads: int | None
     message: str
 
 
-def assess(view: ServerView, connections: int, cpus: int) -> Assessment:
+def assess(view: ServerView, connections: int, cpus: int, when: Moment = "now") -> Assessment:
     """The risk of the pool defect for a server holding ``connections`` established client connections."""
     base = view.command.base_http_threads(cpus) if view.command is not None else None
     number = build_number(view.build_info)
     defect = build_has_pool_defect(view.build_info)
+    # After a watch the verdict is on the most seen, which may not be what the first look printed: say so.
+    held = f"{connections} client connections"
+    if when == "watched":
+        held = f"up to {held} during the watch"
     if base is None:
-        return Assessment("unknown", None, f"{connections} client connections; base HTTP threads unknown")
+        return Assessment("unknown", None, f"{held}; base HTTP threads unknown")
     over = connections > base
-    counted = f"{connections} client connections {'>' if over else '<='} {base} base HTTP threads"
+    counted = f"{held} {'>' if over else '<='} {base} base HTTP threads"
     if not over:
         return Assessment("ok", base, f"ok: {counted}")
     if defect is None:
+        hint = " (watch with --watch SECONDS to see stalls)" if when == "now" else ""  # not while watching
         return Assessment(
             "possible",
             base,
             f"possible risk: {counted}, and the build is unknown, so the pool defect of builds before "
-            f"b{FIRST_FIXED_BUILD} cannot be ruled out (watch with --watch SECONDS to see stalls)",
+            f"b{FIRST_FIXED_BUILD} cannot be ruled out{hint}",
         )
     if defect:
         return Assessment(
@@ -92,15 +125,30 @@ def _build_text(view: ServerView) -> str:
     return f"{view.build_info} (from {view.build_source}): {verdict}"
 
 
-def describe_server(view: ServerView, connections: int, unread: int, cpus: int) -> list[str]:
+def connections_text(counts: Counts) -> str:
+    """``client connections: 6 established, 4 of them with request bytes unread right now``, and the CLOSE-WAIT
+    ones apart: counted with the established ones, unread ones could outnumber the connections."""
+    text = (
+        f"client connections: {counts.established} established, "
+        f"{counts.established_unread} of them with request bytes unread right now"
+    )
+    if counts.close_wait:
+        text += (
+            f"; {counts.close_wait} more closed by their client (CLOSE-WAIT), "
+            f"{counts.close_wait_unread} of them with request bytes unread"
+        )
+    return text
+
+
+def describe_server(view: ServerView, counts: Counts, cpus: int, when: Moment = "now") -> list[str]:
     """The lines ``watch`` prints for one server."""
-    assessment = assess(view, connections, cpus)
+    assessment = assess(view, counts.established, cpus, when)
     base = view.command.explain_base(cpus) if view.command is not None else "unknown (process not readable)"
     return [
         view.name,
         f"  build: {_build_text(view)}",
         f"  base HTTP threads: {base}",
-        f"  client connections: {connections} established, {unread} with request bytes unread right now",
+        f"  {connections_text(counts)}",
         f"  {assessment.message}",
     ]
 
@@ -116,9 +164,11 @@ def event_line(event: StallEvent) -> str:
     return f"GONE {event.key}: connection closed after {seconds} unread{gave_up}"
 
 
-def server_json(view: ServerView, connections: int, max_connections: int, unread: int, cpus: int) -> dict[str, Any]:
-    """One server for ``--json`` (never the full command line: it may hold an ``--api-key``)."""
-    assessment = assess(view, max_connections, cpus)
+def server_json(view: ServerView, counts: Counts, max_connections: int, cpus: int, when: Moment) -> dict[str, Any]:
+    """One server for ``--json`` (never the full command line: it may hold an ``--api-key``). ``connections`` and
+    ``unread_now`` keep their first meaning (established ones; unread ones of either state); the fields that
+    count by state came later."""
+    assessment = assess(view, max_connections, cpus, when)
     command = view.command
     return {
         "pid": view.pid,
@@ -132,9 +182,12 @@ def server_json(view: ServerView, connections: int, max_connections: int, unread
         "parallel": None if command is None else command.parallel.value,
         "base_http_threads": assessment.base_threads,
         "base_http_threads_explained": None if command is None else command.explain_base(cpus),
-        "connections": connections,
+        "connections": counts.established,
         "max_connections": max_connections,
-        "unread_now": unread,
+        "unread_now": counts.unread,
+        "established_unread_now": counts.established_unread,
+        "close_wait_now": counts.close_wait,
+        "close_wait_unread_now": counts.close_wait_unread,
         "risk": assessment.risk,
         "message": assessment.message,
     }
