@@ -481,9 +481,7 @@ def test_a_burst_past_a_fixed_servers_threads_is_not_called_defect_2():
     with LlamaServerEmulator(
         close_after_stream=False, pool_bug=False, build="b11737-emulated", max_http_threads=8
     ) as server:
-        started = time.monotonic()
         code, out, _ = doctor(server.url, json=True, requests=0, burst=16, timeout=1.5)
-        seconds = time.monotonic() - started
     document = json.loads(out)
     finding = by_defect(document)["unread-first-request"]
     (burst,) = document["burst"]["rounds"]
@@ -498,7 +496,6 @@ def test_a_burst_past_a_fixed_servers_threads_is_not_called_defect_2():
     assert "build b11737 includes the thread-pool fix" in text
     assert f"may be that limit (16 connections are more than the {served} it served at once), not defect 2" in text
     assert f"--burst below {served}" in text
-    assert seconds < 2 * BURST_WINDOW  # one 1.5 s window and the quick checks
 
 
 @pytest.mark.slow  # a full doctor run
@@ -675,15 +672,12 @@ def test_a_long_wait_says_what_it_waits_for_every_2_s():
     """A server that accepts and never answers: doctor does not sit silent until --timeout, it says every 2 s on
     stderr what it waits for and up to how long; -q keeps that quiet too."""
     with silent_server() as url:
-        started = time.monotonic()
         code, _, err = doctor(url, timeout=4.0)
-        seconds = time.monotonic() - started
         _, _, quiet_err = doctor(url, timeout=2.5, quiet=True)
     _one_line_error(code, err, "accepted the connection but sent no complete answer to GET /health within 4 s")
     waits = [line.strip() for line in err.splitlines() if "still waiting" in line]
     assert waits, err
     assert re.fullmatch(r"still waiting for an answer to GET /health \(\d s of at most 4 s, --timeout\)", waits[0])
-    assert seconds < 10  # bounded by the 4 s timeout, not by the progress
     assert "still waiting" not in quiet_err
     assert len(quiet_err.splitlines()) == 1  # -q: the error line alone
 

@@ -696,12 +696,14 @@ def _server_side(port: int) -> list[tuple[int, int]]:
     return sorted((row.state, row.rx_queue) for row in read_sockets(Path("/proc")) if row.local.port == port)
 
 
-@pytest.mark.slow  # watches for 3 s in a subprocess
+@pytest.mark.slow  # watches for 6 s in a subprocess
 def test_a_watch_ends_with_the_verdict_of_its_exit_status():
     """The first look finds no connection ("ok"); 6 opened while watch samples are a risk on 2 base threads. The
     exit status is 1 for them, so the last lines must say so (they said "ok" and "no stalled connection")."""
     with emulator_process("--http-threads", "2", "--keepalive-timeout", "60") as server:
-        args = ("--port", str(server.port), "--watch", "3", "--interval", "0.2", "--stall-seconds", "30")
+        # 6 s of samples 0.2 s apart: the burst opens milliseconds after the watching line, so it is sampled
+        # unless this process is kept off the CPU for most of the watch.
+        args = ("--port", str(server.port), "--watch", "6", "--interval", "0.2", "--stall-seconds", "30")
         with watcher(*args) as running:
             _wait_for(lambda: any(line.startswith("watching ") for _, line in running.errors), 30, "watching line")
             with burst(server.port, 6):
@@ -715,7 +717,7 @@ def test_a_watch_ends_with_the_verdict_of_its_exit_status():
         lines[-2],
     ), lines
     assert lines[-1] == (
-        "no stalled connection in 3 s (too short to see one: a stall takes --stall-seconds 30 s), "
+        "no stalled connection in 6 s (too short to see one: a stall takes --stall-seconds 30 s), "
         "but 1 server(s) at RISK (above)"
     )
 
