@@ -174,6 +174,8 @@ def test_a_guard_of_origins_without_end_keeps_bounded_state(refused_port: int) -
     assert len(snap.connection_strategies) == MAX_ORIGINS
     # Each origin past the limit made each book forget one: in stats, not only in the log.
     assert snap.origins_forgotten == 2 * (count - MAX_ORIGINS)
+    # Counted on the origins' accounts, as every count is (the transport's own total is theirs summed).
+    assert sum(account.origins_forgotten for account in transport.stats.by_origin().values()) == snap.origins_forgotten
 
 
 def test_the_docs_give_the_limit() -> None:

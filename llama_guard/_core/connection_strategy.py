@@ -240,7 +240,7 @@ class ConnectionBook:
     ) -> None:
         """Teach ``origin``'s ``"auto"`` strategy a new connection's cost or a request's time; a choice it makes is
         announced (`announce`)."""
-        connections = self.of(origin, stats)
+        connections = self.of(origin)
         decided = connections.connected(connect_cost) if connect_cost is not None else None
         if request is not None:
             decided = connections.answered(request) or decided
@@ -250,7 +250,7 @@ class ConnectionBook:
     def announce(self, origin: Origin, choice: ConnectionChoice, stats: GuardStats) -> None:
         """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
         stats.record_connection_choice(str(origin), str(choice), final=choice.final)
-        if choice.final and self.of(origin, stats).first_announcement(choice):
+        if choice.final and self.of(origin).first_announcement(choice):
             logger.info("llama_guard: connections to %s: %s", origin, choice)
 
 
@@ -272,16 +272,23 @@ class Strategies:
         self._chosen: dict[tuple[str, str, int | None], ConnectionChoice] = {}
 
     def choice(
-        self, scheme: str, host: str, port: int | None, origin: Origin | None, mode: ConnectionMode
+        self,
+        scheme: str,
+        host: str,
+        port: int | None,
+        origin: Origin | None,
+        mode: ConnectionMode,
+        account: GuardStats | None = None,
     ) -> ConnectionChoice:
-        """The strategy for a request (``mode``: its policy's, which a request may override)."""
+        """The strategy for a request (``mode``: its policy's, which a request may override); ``account``: its
+        origin's, which counts an older origin forgotten to make room for this one."""
         key = (scheme, host, port)
         if mode == self._mode:
             choice = self._chosen.get(key)
             if choice is not None:
                 return choice
         origin = origin if origin is not None else Origin.of(scheme, host, port)
-        choice = self._book.of(origin, self.stats).choice(mode, unix_socket=self.unix_socket)
+        choice = self._book.of(origin, account).choice(mode, unix_socket=self.unix_socket)
         self._book.announce(origin, choice, self.stats)
         if choice.final and mode == self._mode and len(self._chosen) < REMEMBERED_BY_URL:
             self._chosen[key] = choice

@@ -185,7 +185,7 @@ class Guard:
         else:
             policy = self.policy if overrides is None else self.policy.merged(overrides)
             stats = self._accounts.of(scheme, host, port, origin)
-            connection = self.strategies.choice(scheme, host, port, origin, policy.connection)
+            connection = self.strategies.choice(scheme, host, port, origin, policy.connection, stats)
             as_is = first_attempt_goes_as_is(
                 body,
                 has_overrides=overrides is not None,
