@@ -47,10 +47,18 @@ def test_a_book_forgets_its_oldest_quiet_origin_past_its_limit(caplog: pytest.Lo
     book.of("b", lambda: Entry("b"))
     book.of("c", lambda: Entry("c"))
     forgotten: list[str] = []
+
+    class Account:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def count_origin_forgotten(self) -> None:
+            forgotten.append(self.name)
+
     with caplog.at_level(logging.WARNING, logger="llama_guard"):
-        book.of("d", lambda: Entry("d"), forgot=lambda: forgotten.append("for d"))
-        book.of("e", lambda: Entry("e"), forgot=lambda: forgotten.append("for e"))
-        book.of("e", lambda: Entry("e again"), forgot=lambda: forgotten.append("for e again"))  # there: none
+        book.of("d", lambda: Entry("d"), account=Account("for d"))
+        book.of("e", lambda: Entry("e"), account=Account("for e"))
+        book.of("e", lambda: Entry("e again"), account=Account("for e again"))  # there: none
     assert forgotten == ["for d", "for e"]  # each counted where it happened (stats.origins_forgotten)
     assert len(book) == 3
     assert book.get("a") is None

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from typing import cast
 
 import httpcore
@@ -237,3 +238,27 @@ def test_spares_past_their_idle_time_are_taken_out_whatever_their_origin() -> No
     spares._ready[("10.0.0.2", 8080)] = [(now - SPARE_IDLE, also_stale), (now - 0.1, fresh)]
     assert spares._take_stale(now) == [stale, also_stale]
     assert spares._ready == {("10.0.0.2", 8080): [(now - 0.1, fresh)]}  # an origin with none left is forgotten
+
+
+def test_any_connect_of_the_pool_closes_every_origin_s_stale_spares() -> None:
+    """A pool's connect to one origin closes the spares that waited `SPARE_IDLE` for another (they were kept until
+    their own origin's next connect or a new spare), and takes a fresh one of its own."""
+    from llama_guard._httpx.sync_connections import SPARE_IDLE, SyncSpares
+
+    closed: list[str] = []
+
+    class Stream:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def close(self) -> None:
+            closed.append(self.name)
+
+    spares = SyncSpares(httpcore.SyncBackend())
+    now = time.monotonic()
+    other, own = cast("httpcore.NetworkStream", Stream("other")), cast("httpcore.NetworkStream", Stream("own"))
+    spares._ready[("10.0.0.1", 8080)] = [(now - SPARE_IDLE - 1.0, other)]
+    spares._ready[("10.0.0.2", 8080)] = [(now, own)]
+    assert spares.take(("10.0.0.2", 8080), timeout=1.0) is own
+    assert closed == ["other"]
+    assert spares._ready == {}

@@ -228,8 +228,7 @@ class ConnectionBook:
         connections = self._origins.get(key)
         if connections is not None:
             return connections
-        forgot = None if stats is None else stats.count_origin_forgotten
-        return self._origins.of(key, lambda: OriginConnections(origin), forgot=forgot)
+        return self._origins.of(key, lambda: OriginConnections(origin), account=stats)
 
     def forget(self) -> None:
         """Drop everything measured (tests)."""

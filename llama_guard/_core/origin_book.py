@@ -39,6 +39,11 @@ class _Forgettable(Protocol):
         """Used within `IDLE_AFTER`: forgotten only when no quieter entry can be."""
 
 
+class _CountsForgotten(Protocol):
+    def count_origin_forgotten(self) -> None:
+        """Count one older origin forgotten to make room (`GuardStats`)."""
+
+
 EntryT = TypeVar("EntryT", bound=_Forgettable)
 
 
@@ -57,9 +62,9 @@ class OriginBook(Generic[EntryT]):
         self._lock = threading.Lock()
         self._said = False
 
-    def of(self, key: Hashable, make: Callable[[], EntryT], *, forgot: Callable[[], object] | None = None) -> EntryT:
+    def of(self, key: Hashable, make: Callable[[], EntryT], *, account: _CountsForgotten | None = None) -> EntryT:
         """The entry of ``key``, made by ``make`` if there is none (a dict lookup is atomic in CPython: the lock
-        only guards making one). ``forgot`` is called when making it forgot an older entry (to count it in stats)."""
+        only guards making one). ``account`` counts an older entry forgotten to make room for this one."""
         entry = self._entries.get(key)
         if entry is not None:
             return entry
@@ -72,8 +77,8 @@ class OriginBook(Generic[EntryT]):
             self._entries[key] = made
         if not forgotten:
             return made
-        if forgot is not None:
-            forgot()
+        if account is not None:
+            account.count_origin_forgotten()
         if not self._said:
             self._said = True
             logger.warning(

@@ -485,8 +485,7 @@ class ProbeBook:
         probes = self._origins.get(origin)
         if probes is not None:
             return probes
-        forgot = None if stats is None else stats.count_origin_forgotten
-        return self._origins.of(origin, lambda: OriginProbes(origin, self._scheduler), forgot=forgot)
+        return self._origins.of(origin, lambda: OriginProbes(origin, self._scheduler), account=stats)
 
     def forget(self) -> None:
         """Drop everything learnt (tests; a process that points the same origin at a different server)."""

@@ -329,18 +329,14 @@ class AsyncSpares:
         end = None if timeout is None else time.monotonic() + timeout
         while True:
             now = time.monotonic()
-            stale: list[httpcore.AsyncNetworkStream] = []
             taken, turn = None, None
             with self._lock:
-                ready = self._ready.get(key, [])
-                while ready and taken is None:
-                    made, stream = ready.pop(0)
-                    if now - made < SPARE_IDLE:
-                        taken = stream
-                    else:
-                        stale.append(stream)
-                if not ready:
-                    self._ready.pop(key, None)
+                stale = self._take_stale(now)  # every origin's: any connect of the pool sweeps
+                ready = self._ready.get(key)
+                if ready:
+                    taken = ready.pop(0)[1]
+                    if not ready:
+                        del self._ready[key]
                 if taken is None and self._opening.get(key, 0) and (end is None or now < end):
                     turn = AsyncTurn()
                     self._waiting.setdefault(key, []).append(turn)
@@ -404,9 +400,10 @@ class AsyncSpares:
             plan.stats.add(spares_opened=1)
 
     def _take_stale(self, now: float) -> list[httpcore.AsyncNetworkStream]:
-        """Take out the spares of every origin that waited `SPARE_IDLE` (for the caller to close): a spare is
-        otherwise closed only when its origin's next connect looks, and a client of many origins, or one that goes
-        quiet, would keep a descriptor open for each. Under the lock."""
+        """Take out the spares of every origin that waited `SPARE_IDLE` (for the caller to close), at each connect
+        and each spare opened: a client of many origins would otherwise keep a descriptor for each origin it no
+        longer asks. A pool gone quiet keeps its spares until then or its close, as httpcore keeps its idle
+        connections. Under the lock."""
         stale: list[httpcore.AsyncNetworkStream] = []
         for key, ready in list(self._ready.items()):
             fresh = [(made, stream) for made, stream in ready if now - made < SPARE_IDLE]
