@@ -23,7 +23,7 @@ import pytest
 
 import llama_guard
 from llama_guard._cli import versions
-from llama_guard._cli.demo import demo_rows, format_table
+from llama_guard._cli.demo import _burst, demo_rows, format_table
 from llama_guard._cli.load import LoadRow, proxy_load, run_threads
 from llama_guard._cli.main import COMMANDS, build_parser, main
 from llama_guard.testing import Fault, LlamaServerEmulator
@@ -62,6 +62,21 @@ def test_demo_command_exits_zero_and_prints_the_table(capsys: pytest.CaptureFixt
     # The choice the guard made for the emulator's origin (GuardPolicy.connection="auto" on loopback).
     assert re.search(r"connection strategy .* for the emulator at http://127\.0\.0\.1:\d+: close \(", out), out
     assert "Next: guard your own client" in out
+
+
+def test_the_demo_burst_s_progress_counts_only_requests_that_ended(capsys: pytest.CaptureFixture[str]) -> None:
+    """Plain httpx, 8 new connections on the emulator's 4 threads: 4 first requests wait unread to the run's end.
+    Each progress line counts the requests that ended ("ended"); the last line adds the 4 stuck ones, which end
+    with the run, and its total is what the table shows: answered + lost + stuck."""
+    row = _burst(False, clients=8, seconds=1.5)
+    lines = capsys.readouterr().err.splitlines()
+    progress = [line for line in lines if " s of 1.5: " in line]
+    assert progress, lines
+    for line in progress:
+        assert re.search(r": 4 of 8 connections answered, \d+ requests ended, 0 lost, 0 stuck; waiting for", line), line
+    done = re.fullmatch(r" +done in [\d.]+ s: 4 of 8 connections answered, (\d+) requests, 0 lost, 4 stuck", lines[-1])
+    assert done is not None, lines
+    assert int(done.group(1)) == row.requests == row.answered + row.errors + row.stuck
 
 
 def test_python_m_llama_guard_help() -> None:

@@ -149,4 +149,4 @@ def test_ctrl_c_stops_the_emulator_command_with_its_counts() -> None:
     assert "Traceback" not in err, err
     assert took < STOP_WITHIN
     (stopped,) = [line for line in err.splitlines() if "interrupted" in line]
-    assert "requests=" in stopped  # what the server saw, on the same one line
+    assert "requests: none;" in stopped  # what the server saw, on the same one line

@@ -45,6 +45,12 @@ def test_keyword_only_and_frozen() -> None:
         ("origins", "http://x:1", "origins must be 'all'"),
         ("origins", [], "at least one origin"),
         ("origins", ["ftp://x"], "origins: 'ftp://x' is not an origin"),
+        (
+            "origins",
+            ["localhost:8080"],
+            "it has no scheme; expected 'http://host[:port]' or 'https://host[:port]' "
+            "(did you mean 'http://localhost:8080'?)",
+        ),
         ("origins", ["http://x:1/v1"], "give only scheme, host and port"),
         ("origins", ["http://x:99999"], "the port must be a whole number from 1 to 65535, not '99999'"),
         ("origins", ["http://x:0"], "the port must be a whole number from 1 to 65535, not '0'"),

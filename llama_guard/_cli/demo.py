@@ -113,11 +113,12 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
 
             return run
 
-        def line(prefix: str) -> str:
+        def line(prefix: str, *, final: bool = False) -> str:
             served = answered.count(True)
-            text = (
-                f"      {prefix}: {served} of {clients} connections answered, {row.requests} requests, {row.counts()}"
-            )
+            # While the run goes on, a connection's unanswered first request is not counted yet: its end does
+            # that (answered, lost, or stuck when the run ends).
+            requests = f"{row.requests} requests" if final else f"{row.requests} requests ended"
+            text = f"      {prefix}: {served} of {clients} connections answered, {requests}, {row.counts()}"
             if served < clients and time.monotonic() < stop_at:
                 text += (
                     f"; waiting for the first answer on {clients - served} connection(s) (unanswered at the end of "
@@ -133,7 +134,7 @@ def _burst(guarded: bool, clients: int, seconds: float) -> DemoRow:
         finally:
             for client in opened:
                 client.close()
-        print(line(f"done in {time.monotonic() - started:.1f} s"), file=sys.stderr, flush=True)
+        print(line(f"done in {time.monotonic() - started:.1f} s", final=True), file=sys.stderr, flush=True)
     return row
 
 

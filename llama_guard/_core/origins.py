@@ -59,6 +59,11 @@ def parse_origin(text: object) -> Origin:
             f"{text!r} is not a valid origin: it holds a space or a control character; "
             "expected 'http://host[:port]' or 'https://host[:port]'"
         )
+    if "://" not in stripped and stripped:  # "localhost:8080": the scheme decides TLS, so it is not guessed
+        raise ValueError(
+            f"{text!r} is not an origin: it has no scheme; expected 'http://host[:port]' or 'https://host[:port]' "
+            f"(did you mean 'http://{stripped}'?)"
+        )
     try:
         parts = urlsplit(stripped)
     except ValueError as exc:

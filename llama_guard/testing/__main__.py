@@ -15,7 +15,7 @@ import errno
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .._core.llama_server import FIRST_FIXED_BUILD
 from ._config import STREAM_CLOSE_MODES
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         emulator.stop()
     why = "interrupted" if received and received[0] == signal.SIGINT else "stopped"
     print(
-        f"{PROG}: {why}; requests={dict(stats.requests)} completions started={stats.completions_started} "
+        f"{PROG}: {why}; requests: {_per_path(stats.requests)}; completions started={stats.completions_started} "
         f"finished={stats.completions_finished} connections={stats.connections_accepted} "
         f"max unread wait={stats.max_unread_wait:.3f}s dropped after stream={stats.requests_dropped_after_stream} "
         f"stalled={stats.connections_stalled}",
@@ -178,6 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     # 128 + the signal, as a shell reports a process that a signal stopped: 130 for Ctrl-C, 143 for SIGTERM.
     return 128 + (received[0] if received else signal.SIGTERM)
+
+
+def _per_path(requests: Mapping[tuple[str, str], int]) -> str:
+    """``GET /health 3, POST /v1/chat/completions 12``: the requests the emulator read, by method and path."""
+    return ", ".join(f"{method} {path} {count}" for (method, path), count in sorted(requests.items())) or "none"
 
 
 if __name__ == "__main__":

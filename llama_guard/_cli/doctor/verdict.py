@@ -77,6 +77,8 @@ class LoadShape:
 def _ms(seconds: float | None) -> str:
     if seconds is None:
         return "?"
+    if seconds < 0.0001:
+        return "within 0.1 ms"  # not "0.0 ms"
     return f"{seconds * 1000:.1f} ms" if seconds < 0.1 else f"{seconds:.2f} s"
 
 
