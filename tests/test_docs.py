@@ -150,3 +150,19 @@ def test_block_runs(block: Block, server: LlamaServerEmulator, tmp_path: Path) -
     expected = expected_output(block)
     if expected is not None:
         assert matches(expected, done.stdout), f"{block.name} printed:\n{done.stdout}\nthe docs show:\n{expected}"
+
+
+def test_the_emulator_s_settings_table_names_every_argument() -> None:
+    """docs/testing.md's table of `LlamaServerEmulator` arguments has a row for each (a new setting, such as
+    ``stall_oldest_first``, was once left out) and none that does not exist."""
+    import inspect
+
+    lines = (ROOT / "docs" / "testing.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("| Argument | Default | Meaning |")
+    documented: set[str] = set()
+    for line in lines[start + 2 :]:
+        if not line.startswith("| `"):
+            break
+        documented.update(re.findall(r"`(\w+)`", line.split("|")[1]))
+    arguments = set(inspect.signature(LlamaServerEmulator).parameters)
+    assert documented == arguments
