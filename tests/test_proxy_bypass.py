@@ -85,6 +85,36 @@ def test_guard_of_a_proxied_client_wraps_the_proxy_transport() -> None:
         client.close()
 
 
+@pytest.mark.parametrize("mounted", ["guard(client)", "GuardTransport", "DualGuardTransport"])
+def test_a_mounted_guard_is_no_bypass(mounted: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A transport mounted for some URLs that is itself a guard sends guarded: nothing is bypassed, and the warning
+    that told the user to call guard(client) is not said (it was, after guard(client) itself)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"ok": True})
+
+    pattern = f"http://mounted-{mounted.lower().replace('(', '-').replace(')', '')}.invalid"
+    mounts: dict[str, httpx.BaseTransport] = {
+        "guard(client)": httpx.MockTransport(answer),
+        "GuardTransport": llama_guard.GuardTransport(httpx.MockTransport(answer)),
+        "DualGuardTransport": llama_guard.DualGuardTransport(httpx.MockTransport(answer)),
+    }
+    client = httpx.Client(transport=httpx.MockTransport(answer), mounts={pattern: mounts[mounted]})
+    if mounted == "guard(client)":
+        client = llama_guard.guard(client)
+        guard = client._transport
+    else:
+        guard = llama_guard.GuardTransport(httpx.MockTransport(answer))
+        client._transport = guard
+    assert isinstance(guard, llama_guard.GuardTransport)
+    with caplog.at_level(logging.WARNING, logger="llama_guard"):
+        with client:
+            assert client.get("http://127.0.0.1:9/health").status_code == 200
+            assert client.get(f"{pattern}/health").status_code == 200
+        assert guard.stats.bypassed is None
+    assert not [r for r in caplog.records if "is bypassed" in r.getMessage()]
+
+
 def test_a_partial_bypass_is_said_at_the_first_request_without_with(caplog: pytest.LogCaptureFixture) -> None:
     """A client never entered, with one scheme mounted round the guard: said at its first request through the
     guard, not only when (if ever) it closes."""

@@ -27,6 +27,7 @@ import httpcore
 import httpx
 
 from .._core.decisions import is_streaming_response
+from .._core.guard import GuardAttributes
 from .._core.llama_server import CLIENT_KEEPALIVE
 from .._core.log import WarnOnce
 
@@ -155,10 +156,16 @@ def bypassing_mounts(transport: Any, frame: types.FrameType | None) -> list[str]
             return [
                 str(getattr(pattern, "pattern", pattern))
                 for pattern, mounted in client_transports(candidate)[1].items()
-                if mounted is not None and mounted is not transport
+                if mounted is not None and mounted is not transport and not _guards(mounted)
             ]
         frame = frame.f_back
     return []
+
+
+def _guards(mounted: object) -> bool:
+    """A mounted transport that is itself a guard (``guard(client)`` wraps a client's mounts; a user may mount one):
+    what it sends is guarded. A `DualGuardTransport` is one through its pair."""
+    return isinstance(mounted, GuardAttributes) or isinstance(getattr(mounted, "sync_guard", None), GuardAttributes)
 
 
 # How far out `bypassing_mounts` looks for the client: its own method, and a wrapper or two between.
