@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -102,6 +103,24 @@ def test_origins_are_normalised() -> None:
     policy = GuardPolicy(origins=["HTTP://LocalHost:8080/", "http://localhost:8080", "https://[::1]"])
     assert policy.origins == (Origin("http", "localhost", 8080), Origin("https", "::1", 443))
     assert str(policy.origins[1]) == "https://[::1]:443"
+
+
+def test_origin_values_are_checked_and_normalised_as_their_urls() -> None:
+    """An `Origin` given as such is spelt as the guard spells origins (an upper-case host or a str port matched no
+    request: its traffic passed through unguarded) and checked as a string origin is."""
+    given = [Origin("http", "LOCALHOST", 8080), Origin("http", "a", "81"), Origin("https", "::1", 443)]  # type: ignore[arg-type]
+    assert GuardPolicy(origins=given).origins == (
+        Origin("http", "localhost", 8080),
+        Origin("http", "a", 81),
+        Origin("https", "::1", 443),
+    )
+    for bad, words in [
+        (Origin("ftp", "a", 1), "origins: Origin(scheme='ftp', host='a', port=1) as 'ftp://a:1' is not an origin"),
+        (Origin("http", "a b", 1), "it holds a space"),
+        (Origin("http", "a", 0), "the port must be a whole number from 1 to 65535, not '0'"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(words)):
+            GuardPolicy(origins=[bad])
 
 
 def test_repr_is_useful() -> None:

@@ -79,9 +79,10 @@ def _normalise_origins(value: object) -> OriginsSetting:
     origins = []
     for item in value:
         try:
-            origins.append(item if isinstance(item, Origin) else parse_origin(item))
+            origins.append(parse_origin(str(item)) if isinstance(item, Origin) else parse_origin(item))
         except ValueError as exc:
-            raise ValueError(f"origins: {exc}") from None
+            # An Origin is checked as its URL, and spelt as the guard spells it (lower case, the default port).
+            raise ValueError(f"origins: {f'{item!r} as ' if isinstance(item, Origin) else ''}{exc}") from None
     if not origins:
         raise ValueError("origins must name at least one origin, or be 'all' or 'auto'; got an empty list")
     return tuple(dict.fromkeys(origins))
