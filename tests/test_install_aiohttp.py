@@ -162,7 +162,7 @@ def test_an_untested_aiohttp_is_left_alone_and_said_so(
     assert aiohttp.ClientSession.__dict__["_request"] is ORIGINAL_REQUEST
     said = [m for r in caplog.records if r.name == "llama_guard" and "3.99.0-install-test" in (m := r.getMessage())]
     assert len(said) == 1, said
-    assert said[0].startswith("llama_guard: install() leaves aiohttp's sessions unguarded: aiohttp 3.99.0-install-test")
+    assert said[0].startswith("install() leaves aiohttp's sessions unguarded: aiohttp 3.99.0-install-test")
     why = installation.stats.snapshot().unguarded["aiohttp"]
     assert "3.99.0-install-test is not a version llama_guard was tested with" in why
     assert "guard_session(session)" in why

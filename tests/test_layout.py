@@ -1,5 +1,5 @@
 """The package's layout rules: private httpcore/httpx/aiohttp attributes are touched only by the internals modules,
-and ``llama_guard._core`` imports no HTTP library."""
+``llama_guard._core`` imports no HTTP library, and log messages carry no ``llama_guard:`` prefix."""
 
 from __future__ import annotations
 
@@ -221,3 +221,32 @@ def test_commands_that_do_not_run_the_emulator_do_not_import_it(module: str) -> 
         result = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stderr[-2000:]
         assert (result.stdout.strip() != "[]") is imports_testing, (name, result.stdout)
+
+
+_LOG_METHODS = ("debug", "info", "warning", "error", "exception")
+
+
+def prefixed_log_messages(source: str) -> Iterator[tuple[int, str]]:
+    """Log calls (``logger.warning(...)``, ``warnings.warning(...)``) whose message starts with ``llama_guard:``:
+    the logger's name says where a record comes from (docs/configuration.md, "Logging")."""
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+            continue
+        if node.func.attr not in _LOG_METHODS:
+            continue
+        message = node.args[0]
+        head = message.values[0] if isinstance(message, ast.JoinedStr) and message.values else message
+        if isinstance(head, ast.Constant) and isinstance(head.value, str) and head.value.startswith("llama_guard:"):
+            yield node.lineno, head.value
+
+
+def test_log_messages_carry_no_prefix() -> None:
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {text}"
+        for path in _package_files()
+        for line, text in prefixed_log_messages(path.read_text())
+    ]
+    assert found == []
+    # The check can fail: plain and f-string messages, on a logger or on the warn-once set.
+    assert len(list(prefixed_log_messages('logger.info("llama_guard: x %s", 1)\nw.warning(f"llama_guard: {y}")'))) == 2
+    assert list(prefixed_log_messages('logger.info("connections to %s", o)')) == []

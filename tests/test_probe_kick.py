@@ -185,7 +185,7 @@ def test_a_kick_that_cannot_connect_is_counted_and_said_once(
     assert [(r.stats.probe_kicks, r.stats.probe_kicks_failed, r.probe_kicks) for r in runs] == [(1, 1, 1)] * 2
     warnings = [r.getMessage() for r in caplog.records if r.name == "llama_guard"]
     assert len(warnings) == 1, warnings
-    assert warnings[0].startswith(f"llama_guard: kick connections to http://127.0.0.1:{port} fail (ConnectError): ")
+    assert warnings[0].startswith(f"kick connections to http://127.0.0.1:{port} fail (ConnectError): ")
     assert "probe_kicks_failed" in warnings[0]
     # The control: a kick that connects is counted, not as failed, and says nothing.
     with socket.create_server(("127.0.0.1", 0)) as listener:

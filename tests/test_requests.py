@@ -694,7 +694,7 @@ def test_install_on_urllib3_1_leaves_requests_alone_and_says_so(
     assert guard_requests.result_of(response) is None
     said = [r.getMessage() for r in caplog.records if r.name == "llama_guard" and "1.26.20" in r.getMessage()]
     assert said == [
-        "llama_guard: install() leaves requests and urllib3 unguarded: the guard needs urllib3 2.x and this is "
+        "install() leaves requests and urllib3 unguarded: the guard needs urllib3 2.x and this is "
         "urllib3 1.26.20 (pip install 'urllib3>=2,<3')"
     ]
     snap = installation.stats.snapshot()

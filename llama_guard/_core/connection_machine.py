@@ -504,7 +504,7 @@ class ConnectionMachine:
             plan.stats.add(probe_kicks=1, probe_kicks_failed=1)
             logger.debug("kick connection to %s failed: %s", plan.origin, event.failure)
             plan.process.warnings.warning(
-                f"llama_guard: kick connections to {plan.origin} fail ({type(event.failure).__name__}): a connection "
+                f"kick connections to {plan.origin} fail ({type(event.failure).__name__}): a connection "
                 "the server left unread is given up at probe_timeout and replaced instead of rescued; "
                 "stats.probe_kicks_failed counts them (GuardPolicy(probe_kick=False) turns kicks off)"
             )
@@ -542,7 +542,7 @@ class ConnectionMachine:
                 "such false alarms go uncounted (probes_answered_late) and do not raise the learnt probe deadline"
             )
             plan.stats.late_answers_unseen = why
-            plan.process.warnings.warning(f"llama_guard: {why}")
+            plan.process.warnings.warning(why)
         watch: GivenUpProbe = self._probes.probe_given_up(
             self._number,
             event.peek,
@@ -644,7 +644,7 @@ class ConnectionMachine:
         text = f"new connections to {plan.origin} are not probed: {why}"
         plan.stats.probing_off = text
         plan.process.warnings.warning(
-            f"llama_guard: {text}; a connection llama-server leaves unread is not caught there (retries and stream "
+            f"{text}; a connection llama-server leaves unread is not caught there (retries and stream "
             "handling still apply)"
         )
 

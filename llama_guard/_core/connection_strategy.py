@@ -250,7 +250,7 @@ class ConnectionBook:
         """Record ``choice`` for ``origin`` in ``stats`` and, once per origin and process, in the log."""
         stats.record_connection_choice(str(origin), str(choice), final=choice.final)
         if choice.final and self.of(origin).first_announcement(choice):
-            logger.info("llama_guard: connections to %s: %s", origin, choice)
+            logger.info("connections to %s: %s", origin, choice)
 
 
 class Strategies:

@@ -172,7 +172,7 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
             "requests round this guard"
         )
         self._guard.process.warnings.warning(
-            f"llama_guard: {type(self).__name__} is bypassed: {self.stats.bypassed}. Guard the client with "
+            f"{type(self).__name__} is bypassed: {self.stats.bypassed}. Guard the client with "
             "llama_guard.guard(client) (it wraps the mounted transports too), or mount the guard: "
             "mounts={'all://': GuardTransport(httpx.HTTPTransport(proxy=...))}"
         )

@@ -157,7 +157,7 @@ class Installation:
         from .._runtime import PROCESS
 
         self.stats.record_unguarded(library, why)
-        PROCESS.warnings.warning(f"llama_guard: install() leaves {clients} unguarded: {why}")
+        PROCESS.warnings.warning(f"install() leaves {clients} unguarded: {why}")
 
     def _remember_pool(self, instance: Any, target: _Target) -> None:
         internals = importlib.import_module(_INTERNALS[target.module])
