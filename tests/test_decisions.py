@@ -232,6 +232,34 @@ def test_stalled_connections_back_off() -> None:
 
 
 @pytest.mark.parametrize(
+    ("reused", "read", "stall"),
+    [
+        (False, False, True),  # a new connection nothing proved the server reads: may be the pool's stall
+        (False, True, False),  # its probe was answered: a thread serves it, the server is busy or slow
+        (True, True, False),  # a pooled connection, served before
+    ],
+)
+def test_a_first_byte_timeout_is_a_stall_only_on_a_connection_the_server_may_not_read(
+    reused: bool, read: bool, stall: bool
+) -> None:
+    """Defect 2 leaves a new connection unread; a connection whose probe was answered, or a reused one, has a
+    thread: a first-byte timeout there is a slow answer (busy slots, a long prompt), retried but not logged and
+    counted as a stalled connection replaced."""
+    verdict = verdict_for_failure(
+        K.FIRST_BYTE_TIMEOUT,
+        progress=P.WRITTEN,
+        reused_connection=reused,
+        connection_read=read,
+        body_started=True,
+        request=CHAT,
+        retry_non_idempotent=False,
+    )
+    assert verdict.retry
+    assert verdict.stall is stall
+    assert ("stalled connection" in verdict.reason) is stall, verdict.reason
+
+
+@pytest.mark.parametrize(
     ("status", "headers", "request_kind", "retry", "delay"),
     [
         (200, {}, CHAT, None, None),

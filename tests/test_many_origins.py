@@ -274,7 +274,7 @@ def test_a_burst_that_stalls_many_origins_runs_one_timer_thread() -> None:
     assert during - before == 1
     assert sorted(lines.lines) == sorted(
         f"replaced 2 stalled connections to {origin} in the last 0.2 s (llama-server before b11737 did not read "
-        "them; no request was lost; each one at DEBUG level on the 'llama_guard' logger)"
+        "them; their requests went on new connections; each one at DEBUG level on the 'llama_guard' logger)"
         for origin in origins
     )
     assert log.episodes() == dict.fromkeys(origins, 1)
@@ -301,3 +301,27 @@ def test_an_origin_that_stalls_again_after_its_episode_opens_another() -> None:
         "rescued 1 stalled connection to http://pod-again:8080",
     ]
     assert log.episodes() == {origin: 2}
+
+
+def test_an_episode_of_rescued_and_replaced_connections_says_what_became_of_each() -> None:
+    """One line for both: the rescued ones read on their own connection, the replaced ones' requests on new ones;
+    no claim on how those requests ended (a replaced request may still fail)."""
+    origin = Origin("http", "pod-both", 8080)
+    log = StallLog(episode=60.0)
+    for _ in range(2):
+        log.rescued(origin, "rescued")
+    log.replaced(origin, "replaced")
+    lines = EpisodeLines(1)
+    logger = logging.getLogger("llama_guard")
+    logger.addHandler(lines)
+    try:
+        log.flush()
+    finally:
+        logger.removeHandler(lines)
+    (line,) = lines.lines
+    assert line.startswith(f"rescued 2 and replaced 1 stalled connections to {origin} in the last ")
+    assert line.endswith(
+        "(llama-server before b11737 had not read them; a kick connection made it read the rescued ones, and the "
+        "replaced ones' requests went on new connections; each one at DEBUG level on the 'llama_guard' logger)"
+    )
+    assert "lost" not in line

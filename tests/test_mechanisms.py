@@ -8,6 +8,7 @@ deterministic ones (tests/conftest.py): the counts are exact, whatever the machi
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from typing import Any
@@ -329,6 +330,26 @@ def test_headers_that_never_come_are_retried_under_a_deadline(flavor: str) -> No
     assert outcome.result.attempts == 2
     assert outcome.result.reconnects == 1
     assert driver.stats.stall_reconnects == 1  # type: ignore[attr-defined]
+
+
+def test_a_deadline_on_a_connection_the_server_reads_is_no_stall(flavor: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Under the keep-alive strategy the new connection's probe is answered: a thread serves it, so headers that do
+    not come are a busy or slow server, not the pool's stall. Retried as any failure: not counted or logged as a
+    stalled connection replaced (it was, with "no request was lost" in the log even when the request then failed)."""
+    policy = GuardPolicy(first_byte_timeout=0.5, connection="reuse")
+    with LlamaServerEmulator() as server, caplog.at_level(logging.DEBUG, logger="llama_guard"):
+        server.inject(Fault.HEADERS_NEVER, path=CHAT, hold=None)
+        driver = run_scenario(flavor, one_request, flavor, server.url, True, policy, "POST", CHAT, chat(False))
+    (outcome,) = driver.outcomes  # type: ignore[attr-defined]
+    assert outcome.ok
+    assert outcome.result.attempts == 2
+    assert outcome.result.reconnects == 0
+    assert (driver.stats.retries, driver.stats.stall_reconnects) == (1, 0)  # type: ignore[attr-defined]
+    assert driver.stats.retries_by_reason == {"slow_answer": 1}  # type: ignore[attr-defined]
+    assert driver.stats.probes_sent >= 1  # type: ignore[attr-defined]  # the probe that proved the connection read
+    said = [record.getMessage() for record in caplog.records]
+    assert not [text for text in said if "stalled connection" in text], said
+    assert [text for text in said if "(the server reads this connection: busy or slow)" in text], said
 
 
 def test_headers_that_never_come_fail_plain_httpx_only_at_its_timeout(flavor: str) -> None:

@@ -205,6 +205,18 @@ REQUEST = RequestKind("POST", idempotent=False, inference=True, stream=False, re
         ),
         (
             verdict_for_failure(
+                FailureKind.FIRST_BYTE_TIMEOUT,
+                progress=Progress.WRITTEN,
+                reused_connection=True,
+                connection_read=True,
+                body_started=True,
+                request=REQUEST,
+                retry_non_idempotent=False,
+            ),
+            "slow_answer",
+        ),
+        (
+            verdict_for_failure(
                 FailureKind.NETWORK,
                 progress=Progress.WRITTEN,
                 reused_connection=True,
@@ -656,3 +668,75 @@ def test_a_missing_extra_is_named(monkeypatch: pytest.MonkeyPatch, blocked: str,
     monkeypatch.setitem(sys.modules, blocked, None)
     with pytest.raises(ModuleNotFoundError, match=rf"pip install 'llama-guard\[{extra}\]'"):
         make()
+
+
+# -- bad arguments: named, with what is accepted ---------------------------------------------------------------------
+
+KINDS = "guarded httpx/httpx2 clients, aiohttp or requests sessions, guard transports or adapters"
+
+
+def export_prometheus(sources: Any) -> object:
+    return llama_guard.metrics.register_prometheus(CollectorRegistry(), sources=sources)
+
+
+def export_opentelemetry(sources: Any) -> object:
+    provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    try:
+        return instrument_opentelemetry(provider, sources=sources)
+    finally:
+        provider.shutdown()
+
+
+EXPORTERS = [
+    pytest.param(export_prometheus, id="register_prometheus"),
+    pytest.param(lambda sources: PrometheusCollector(sources=sources), id="PrometheusCollector"),
+    pytest.param(export_opentelemetry, id="instrument_opentelemetry"),
+]
+
+
+@pytest.mark.parametrize("export", EXPORTERS)
+def test_sources_that_are_not_a_list_are_refused_by_name(export: Any) -> None:
+    """One client is not iterable, a string would be read a character at a time and a dict by its keys: each is
+    refused as what it is, with what ``sources`` takes; one source is told to go in a list."""
+    with llama_guard.guard(httpx.Client()) as client:
+        with pytest.raises(TypeError, match=r"^sources must be a list of what to export \(" + re.escape(KINDS)) as info:
+            export(client)
+        assert str(info.value).endswith("got httpx.Client (for this one alone, pass sources=[client])")
+        with pytest.raises(TypeError, match=r"^sources must be a list .* got str 'x'$"):
+            export("x")
+        with pytest.raises(TypeError, match=r"^sources must be a list .* got dict$"):
+            export({"client": client})
+        with pytest.raises(TypeError, match=r"got llama_guard\.GuardStats \(for this one alone, pass sources=\[it\]\)"):
+            export(GuardStats())
+
+
+@pytest.mark.parametrize("export", EXPORTERS)
+def test_a_source_without_counters_is_named_by_its_place(export: Any) -> None:
+    stats = GuardStats()
+    with pytest.raises(TypeError, match=r"^sources\[1\] must be one of: " + re.escape(KINDS) + r".*; got str 'x'$"):
+        export([stats, "x"])
+    with pytest.raises(TypeError, match=r"^sources\[0\] must be one of: .*; got httpx\.Response$"):
+        export([httpx.Response(200)])
+    with (
+        httpx.Client() as plain,
+        pytest.raises(ValueError, match=r"^sources\[1\]: this Client has no guard: guard it with llama_guard"),
+    ):
+        export([stats, plain])
+
+
+def test_a_registry_or_meter_provider_of_the_wrong_kind_is_named() -> None:
+    """Not an AttributeError from deep inside: the argument, what it was, and a hint when it looks like sources
+    given in its place (``sources`` is keyword-only)."""
+    stats = GuardStats()
+    with pytest.raises(TypeError, match=r"^registry must be a prometheus_client CollectorRegistry, or None .*got str$"):
+        llama_guard.metrics.register_prometheus("x")
+    hint = r"\(sources is keyword-only: register_prometheus\(sources=\[\.\.\.\]\)\)$"
+    with pytest.raises(TypeError, match=r"^registry must be .*; got list " + hint):
+        llama_guard.metrics.register_prometheus([stats])
+    with pytest.raises(TypeError, match=r"^registry must be .*; got llama_guard\.GuardStats " + hint):
+        llama_guard.metrics.register_prometheus(stats)
+    with pytest.raises(TypeError, match=r"^meter_provider must be an OpenTelemetry MeterProvider, or None .*got str$"):
+        instrument_opentelemetry("x")
+    hint = r"\(sources is keyword-only: instrument_opentelemetry\(sources=\[\.\.\.\]\)\)$"
+    with pytest.raises(TypeError, match=r"^meter_provider must be .*; got list " + hint):
+        instrument_opentelemetry([stats])

@@ -4,6 +4,7 @@ exact."""
 from __future__ import annotations
 
 import random
+import re
 import threading
 
 import pytest
@@ -99,3 +100,19 @@ def test_an_empty_distribution_is_false_and_the_repr_names_the_attributes() -> N
         assert f" {name}=" in text, name
         assert hasattr(stats, name), name
     assert "stream_connections_closed=1" in text
+
+
+@pytest.mark.parametrize("value", [-5, -1, "1", 1.0, True, None], ids=repr)
+def test_add_takes_whole_numbers_from_zero_and_adds_nothing_otherwise(value: object) -> None:
+    """A counter never goes down (a Prometheus counter would), and a string is not added as a raw TypeError: the
+    counter and the rule are named, and the other increments of the call are not added either."""
+    stats = GuardStats()
+    message = (
+        "GuardStats.add(): the increment of requests must be a whole number >= 0 (a counter never goes down); "
+        f"got {value!r}"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        stats.add(retries=1, requests=value)  # type: ignore[arg-type]
+    assert (stats.retries, stats.requests) == (0, 0)
+    stats.add(retries=0, requests=2)
+    assert (stats.retries, stats.requests) == (0, 2)

@@ -605,7 +605,7 @@ class ConnectionMachine:
             self._probes.probe_answered(seconds, self._number)
             if self._connect_seconds is not None and not rescued:  # a rescued probe timed the stall, not the network
                 plan.teach(connect_cost=self._connect_seconds + seconds)
-            return self._ready()
+            return self._ready(read=True)
         # An answer that closes the connection fails the probe (counted with the ProbeError it raises).
         self._probe_failed()
         self._probe_closed(answer.status)
@@ -648,9 +648,9 @@ class ConnectionMachine:
             "handling still apply)"
         )
 
-    def _ready(self) -> ConnectionStep:
+    def _ready(self, *, read: bool = False) -> ConnectionStep:
         self._end()
-        self.plan.opened()
+        self.plan.opened(read=read)
         return READY
 
     def _end(self) -> None:

@@ -171,6 +171,8 @@ class Verdict:
     # be spread over a wide random window, or they reach the server as a new burst and stall again.
     stall: bool = False
     status: bool = False  # a retried 503/429 response (rather than a failed connection)
+    # No headers by the first-byte deadline on a connection the server reads: busy or slow, not a stall.
+    slow_answer: bool = False
     # llama-server unavailable (503: loading a model): waited for up to max_loading_wait, spending no attempt.
     loading: bool = False
 
@@ -183,8 +185,10 @@ def verdict_for_failure(
     body_started: bool,
     request: RequestKind,
     retry_non_idempotent: bool,
+    connection_read: bool = False,
 ) -> Verdict:
-    """May an attempt that failed with ``kind`` after getting as far as ``progress`` be tried again?"""
+    """May an attempt that failed with ``kind`` after getting as far as ``progress`` be tried again?
+    ``connection_read``: the server had read from the attempt's connection (a reused one, or its probe answered)."""
     if kind is FailureKind.LOCAL:
         return Verdict(False, "the request cannot be sent as it is; repeating it would fail the same way")
     if kind is FailureKind.CALLER_TIMEOUT:
@@ -206,6 +210,12 @@ def verdict_for_failure(
             "(set retry_non_idempotent=True to retry it anyway)",
         )
     if kind is FailureKind.FIRST_BYTE_TIMEOUT:
+        if connection_read:  # a thread serves this connection: the server is busy or slow, the pool did not stall
+            return Verdict(
+                True,
+                "no response headers within first_byte_timeout (the server reads this connection: busy or slow)",
+                slow_answer=True,
+            )
         return Verdict(True, "no response headers within first_byte_timeout (stalled connection)", stall=True)
     if reused_connection:
         # The keep-alive race: the pool handed out a connection the server had already closed.

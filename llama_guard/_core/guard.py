@@ -246,7 +246,8 @@ class RequestPlan:
     as_is: bool
     _machine: RequestMachine | None = field(default=None, init=False)
     # How far the current attempt's new connection got (`opening`, `opened`): 0 none (a pooled connection, or none
-    # yet), 1 being opened, 2 up. Read by the request's machine when the attempt fails (`RequestMachine._tracker`).
+    # yet), 1 being opened, 2 up, 3 up and its probe answered (the server reads it: a first-byte timeout on it is no
+    # stall). Read by the request's machine when the attempt fails (`RequestMachine._tracker`).
     new_connection: int = field(default=0, init=False)
     # What its connections' probes found, across its attempts (written by each `ConnectionMachine`, read by the
     # request's machine): probes given up or failed; whether the server was seen reading new connections (a probe
@@ -357,9 +358,10 @@ class RequestPlan:
         """A new connection is being opened for the current attempt (by its machine, or only noted)."""
         self.new_connection = 1
 
-    def opened(self) -> None:
-        """That connection is up (and probed, when probing): a failure from now on may have sent the request."""
-        self.new_connection = 2
+    def opened(self, *, read: bool = False) -> None:
+        """That connection is up (and probed, when probing): a failure from now on may have sent the request.
+        ``read``: the server answered its probe, so it reads this connection."""
+        self.new_connection = 3 if read else 2
 
     def for_spare(self) -> RequestPlan:
         """A plan for a spare connection opened beside this request (`GuardPolicy.prewarm`): the same facts, with

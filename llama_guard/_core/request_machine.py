@@ -280,13 +280,16 @@ def retry_reason(verdict: Verdict | None) -> str:
     """Why a request is retried, for ``stats.retries_by_reason`` and the metrics: ``"stalled_connection"`` (a new
     connection failed its probe, or the first-byte deadline passed: llama-server's unread connections),
     ``"dead_connection"`` (a pooled connection the server had closed: its streams' keep-alive lie), ``"status"``
-    (503 or 429), or ``"connection_error"`` (any other failure before the response)."""
+    (503 or 429), ``"slow_answer"`` (the first-byte deadline passed on a connection the server reads), or
+    ``"connection_error"`` (any other failure before the response)."""
     if verdict is None:
         return "connection_error"
     if verdict.status:
         return "status"
     if verdict.stall:
         return "stalled_connection"
+    if verdict.slow_answer:
+        return "slow_answer"
     return "connection_error" if verdict.backoff else "dead_connection"
 
 
@@ -453,6 +456,7 @@ class RequestMachine:
                 kind,
                 progress=progress,
                 reused_connection=tracker.reused_connection,
+                connection_read=tracker.reused_connection or plan.new_connection == 3,
                 body_started=tracker.body_started,
                 request=self.kind,
                 retry_non_idempotent=plan.policy.retry_non_idempotent,

@@ -235,7 +235,8 @@ class StatsSnapshot:
     origins_forgotten: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     # Retries by why the attempt before failed: "stalled_connection" (a probe failed, or the first-byte deadline),
-    # "dead_connection" (a pooled connection the server had closed), "status" (503/429), "connection_error".
+    # "dead_connection" (a pooled connection the server had closed), "status" (503/429), "slow_answer" (the
+    # first-byte deadline on a connection the server reads), "connection_error".
     retries_by_reason: dict[str, int] = field(default_factory=dict)
     first_byte: LatencySummary | None = None
     probe_latency: LatencySummary | None = None
@@ -341,6 +342,15 @@ def _tally(into: Counter[str], other: Counter[str]) -> None:
     into.update(other)
 
 
+def _check_increment(name: str, value: object) -> None:
+    """`GuardStats.add`'s rule for an increment that is not a plain int >= 0 (an int subclass passes, not bool)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"GuardStats.add(): the increment of {name} must be a whole number >= 0 (a counter never goes down); "
+            f"got {value!r}"
+        )
+
+
 class GuardStats:
     """Live counters of one guarded transport (``transport.stats``).
 
@@ -406,11 +416,14 @@ class GuardStats:
             account.reset()
 
     def add(self, **increments: int) -> None:
-        """Add to counters by name, atomically: ``stats.add(attempts=1, retries=1)``."""
+        """Add to counters by name, atomically: ``stats.add(attempts=1, retries=1)``. Each increment is a whole
+        number >= 0 (a counter never goes down); anything else raises `ValueError` and adds nothing."""
         counts = self._counts
-        for name in increments:
+        for name, value in increments.items():
             if name not in counts:
                 raise AttributeError(f"GuardStats has no counter {name!r}; its counters: {', '.join(COUNTERS)}")
+            if type(value) is not int or value < 0:  # one check on the usual path; the details only if it fails
+                _check_increment(name, value)
         with self._lock:
             for name, value in increments.items():
                 counts[name] += value

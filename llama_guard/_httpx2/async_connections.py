@@ -124,8 +124,8 @@ class AsyncGuardedBackend(httpcore.AsyncNetworkBackend):
         direct = host == url.host and port == plan.origin.port
         https = url.scheme == "https"
         spare = await self.spares.take((host, port), timeout) if direct else None
-        if spare is not None:  # opened and probed ahead: the request's connection is up
-            plan.opened()
+        if spare is not None:  # opened and probed ahead: the request's connection is up, and read by the server
+            plan.opened(read=True)
             plan.stats.add(spares_used=1)
             return _AsyncTlsDone(spare) if https else spare
         opening = connection.Opening(direct=direct, proxy=f"{host}:{port}", http1=self._http1, tls_later=https)

@@ -16,7 +16,8 @@ from .._core.extras import missing_extra
 from .._core.origins import Origin
 from .._core.stats import OriginTotals
 from . import catalog
-from .prometheus import sources_set
+from .prometheus import keyword_hint, sources_set
+from .sources import kind_of
 
 __all__ = ["OpenTelemetryMetrics", "instrument_opentelemetry"]
 
@@ -46,9 +47,14 @@ class OpenTelemetryMetrics:
         from .. import __version__
 
         metrics = _otel_metrics()
+        if meter_provider is not None and not callable(getattr(meter_provider, "get_meter", None)):
+            raise TypeError(
+                "meter_provider must be an OpenTelemetry MeterProvider, or None for the global one; "
+                f"got {kind_of(meter_provider)}{keyword_hint(meter_provider, 'instrument_opentelemetry')}"
+            )
         provider = meter_provider if meter_provider is not None else metrics.get_meter_provider()
-        self.meter = provider.get_meter("llama_guard", __version__)
         self._sources = sources_set(sources)
+        self.meter = provider.get_meter("llama_guard", __version__)
         self._lock = threading.Lock()
         self._totals: dict[tuple[str, Origin], OriginTotals] = {}
         self._fed: dict[tuple[str, Origin], dict[float, int]] = {}  # first-byte samples recorded, per bucket

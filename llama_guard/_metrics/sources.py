@@ -13,7 +13,20 @@ from typing import Any
 from .._core.result import EXTENSION, GuardResult
 from .._core.stats import GuardStats
 
-__all__ = ["result_of", "stats_of"]
+__all__ = ["SOURCE_KINDS", "kind_of", "result_of", "stats_of"]
+
+#: What `stats_of` (and the exporters' ``sources``) take, in the plural.
+SOURCE_KINDS = (
+    "guarded httpx/httpx2 clients, aiohttp or requests sessions, guard transports or adapters, GuardMiddleware, "
+    "Installations or GuardStats"
+)
+
+
+def kind_of(value: object) -> str:
+    """``value``'s type as an error message names it: ``httpx.Client``, ``str``, ``llama_guard.GuardStats``."""
+    cls = type(value)
+    library = cls.__module__.partition(".")[0]
+    return cls.__qualname__ if library == "builtins" else f"{library}.{cls.__qualname__}"
 
 
 def stats_of(target: object) -> GuardStats:

@@ -122,12 +122,18 @@ def _episode_line(origin: Origin, rescued: int, replaced: int, seconds: float) -
     """``rescued 27 and replaced 1 stalled connections to ORIGIN in the last 0.4 s (...)``."""
     done = " and ".join(f"{verb} {count}" for verb, count in (("rescued", rescued), ("replaced", replaced)) if count)
     plural = "" if rescued + replaced == 1 else "s"
-    how = (
-        "llama-server before b11737 did not read them"
-        if not rescued
-        else "llama-server before b11737 had not read them; a kick connection made it read the rescued ones"
-    )
+    # Says what the guard did, not how the requests ended: a replaced one's request may still fail on its new
+    # connection (its own retry or error says so).
+    if not rescued:
+        how = "llama-server before b11737 did not read them; their requests went on new connections"
+    elif not replaced:
+        how = "llama-server before b11737 had not read them; a kick connection made it read them"
+    else:
+        how = (
+            "llama-server before b11737 had not read them; a kick connection made it read the rescued ones, and the "
+            "replaced ones' requests went on new connections"
+        )
     return (
-        f"{done} stalled connection{plural} to {origin} in the last {seconds:g} s ({how}; no request was lost; "
-        "each one at DEBUG level on the 'llama_guard' logger)"
+        f"{done} stalled connection{plural} to {origin} in the last {seconds:g} s ({how}; each one at DEBUG level on "
+        "the 'llama_guard' logger)"
     )
