@@ -443,7 +443,8 @@ def test_a_proxied_aiohttp_request_is_not_probed_and_says_so(
 
 def test_a_unix_socket_session_is_said_not_probed(racy_server: LlamaServerEmulator) -> None:
     """aiohttp's UnixConnector is not a TCPConnector: the guard added to such a session cannot probe its
-    connections, says so in stats.public_path, and still keeps streams from losing requests (stream close)."""
+    connections, says so in stats.probing_off (not public_path: its hooks are in place), and still keeps streams
+    from losing requests (stream close)."""
     from ._connection_kinds import UnixRelay
 
     async def run(path: str) -> tuple[list[int], GuardStats]:
@@ -461,7 +462,8 @@ def test_a_unix_socket_session_is_said_not_probed(racy_server: LlamaServerEmulat
         statuses, stats = asyncio.run(run(relay.address))
     assert statuses == [200] * 6
     snapshot = stats.snapshot()
-    assert "not an aiohttp.TCPConnector" in (snapshot.public_path or "")
+    assert "not an aiohttp.TCPConnector" in (snapshot.probing_off or "")
+    assert snapshot.public_path is None
     assert snapshot.stream_connections_closed == 3
     assert racy_server.stats().requests_dropped_after_stream == 0
 

@@ -160,3 +160,35 @@ def test_guard_over_litellms_aiohttp_transport_says_probing_is_off(
     assert snapshot.probing_off is not None
     assert "LiteLLMAiohttpTransport" in snapshot.probing_off
     assert len(warnings_about_probing(caplog)) == 1
+
+
+class RoutedTransport(HttpClientTransport):
+    """`HttpClientTransport` that sends every request to ``port`` on loopback, whatever host its URL names: an
+    origin away from loopback, where ``"auto"`` would measure what a new connection costs."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        routed = request.url.copy_with(host="127.0.0.1", port=self.port)
+        return super().handle_request(
+            httpx.Request(request.method, routed, headers=request.headers, content=request.read())
+        )
+
+
+def test_auto_closes_for_good_where_it_cannot_time_a_new_connection(server: LlamaServerEmulator) -> None:
+    """A foreign transport to an origin away from loopback: no trace event times its new connections, so "auto"
+    cannot measure what one costs. It said "measuring ... 0 of 2 connections" without end; it now closes every
+    connection as its final choice, saying why (probing_off stays None: the close strategy probes nothing)."""
+    origin = "http://llama.internal:8080"
+    guard = llama_guard.GuardTransport(RoutedTransport(server.port))
+    with httpx.Client(transport=guard, base_url=origin) as client:
+        results = [llama_guard.result_of(client.post(CHAT, json=BODY)) for _ in range(20)]
+    strategy = guard.stats.snapshot().connection_strategies[origin]
+    assert strategy == (
+        "close (the cost of a new connection cannot be measured: RoutedTransport does not send through httpcore (it "
+        "reports no trace events), so the guard cannot time its new connections)"
+    )
+    assert {result.connection for result in results} == {"close"}
+    assert guard.stats.snapshot().probing_off is None
+    assert server.stats().completions_finished == 20

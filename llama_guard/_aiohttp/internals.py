@@ -32,6 +32,7 @@ __all__ = [
     "sessions_out_of_reach",
     "set_session_middlewares",
     "unhook_new_connections",
+    "unhookable_connector",
     "unsupported_version",
     "untested_version",
 ]
@@ -149,14 +150,26 @@ class _CreateConnection:
         return protocol
 
 
+def unhookable_connector(connector: aiohttp.BaseConnector | None) -> str | None:
+    """Why `hook_new_connections` cannot reach ``connector``'s new connections, whatever the aiohttp version: it is
+    not an `aiohttp.TCPConnector` (an `aiohttp.UnixConnector`, a connector of the caller's own), or there is none;
+    None when it can."""
+    if connector is None:
+        return "the session has no connector"
+    if isinstance(connector, aiohttp.TCPConnector):
+        return None
+    return f"the session's connector is a {type(connector).__name__}, not an aiohttp.TCPConnector"
+
+
 def hook_new_connections(connector: aiohttp.BaseConnector, hooks: ConnectionHooks, warnings: WarnOnce) -> str | None:
     """Run ``hooks`` around every new connection ``connector`` creates; None if done, else why not (untested
-    aiohttp, said once through ``warnings``, or a connector that is not a `aiohttp.TCPConnector`)."""
+    aiohttp, said once through ``warnings``, or `unhookable_connector`)."""
     untested = check_version(warnings)
     if untested is not None:
         return untested
-    if not isinstance(connector, aiohttp.TCPConnector):
-        return f"the session's connector is a {type(connector).__name__}, not an aiohttp.TCPConnector: not probed"
+    unhookable = unhookable_connector(connector)
+    if unhookable is not None:
+        return unhookable
     create = connector._create_connection
     if isinstance(create, _CreateConnection):
         create.hooks = hooks

@@ -14,7 +14,7 @@ import aiohttp
 
 from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import is_streaming_response
-from .._core.guard import Guard, GuardAttributes
+from .._core.guard import Guard, GuardAttributes, RequestPlan
 from .._core.llama_server import RETRIED_STATUSES
 from .._core.origins import Origin, OriginRegistry
 from .._core.policy import GuardPolicy
@@ -64,6 +64,22 @@ class GuardMiddleware(GuardAttributes):
         registry of llama-server origins shared with other guards (what `install()` passes); else the policy's.
         ``process``: what the guards of the process share; the process's own unless given (tests)."""
         self._guard = Guard.made(STACK, policy=policy, stats=stats, origins=origins, process=process or PROCESS)
+        # Why the session's connector cannot be probed (`connections_unseen`), until a request that would probe a new
+        # connection says so (`_say_unprobed`); None otherwise.
+        self._unprobed: str | None = None
+
+    def connections_unseen(self, why: str, *, unix_socket: bool, unprobed: str | None) -> None:
+        """The session's new connections are out of the guard's reach (``why``, a clause: its connector is not an
+        `aiohttp.TCPConnector`, or aiohttp is a version the guard was not tested with): said by the session before
+        its first request. ``unix_socket``: the connector is an `aiohttp.UnixConnector`, where ``"auto"`` closes
+        every connection at once, as for httpx's ``uds=``. Elsewhere ``"auto"`` cannot measure what a new
+        connection costs, and closes every connection, saying why. ``unprobed``: what ``stats.probing_off`` and
+        one warning say at the first request that would have probed a new connection (the keep-alive strategy);
+        None when something else says it already (``stats.public_path``, for an untested aiohttp)."""
+        strategies = self._guard.strategies
+        strategies.unix_socket = unix_socket
+        strategies.unmeasurable = why
+        self._unprobed = unprobed
 
     async def __call__(self, request: aiohttp.ClientRequest, handler: ClientHandler) -> aiohttp.ClientResponse:
         guard = self._guard
@@ -84,6 +100,8 @@ class GuardMiddleware(GuardAttributes):
             overrides=current_options(),
             body=body,
         )
+        if self._unprobed is not None:
+            self._say_unprobed(plan)
         if not plan.as_is:
             return await drive_request(plan.start(), AiohttpAttempts(plan, handler), BEGIN)
 
@@ -110,6 +128,25 @@ class GuardMiddleware(GuardAttributes):
         if result.connection_closed:
             fail_body_on_connection_loss(response)
         return response
+
+    def _say_unprobed(self, plan: RequestPlan) -> None:
+        """``plan``'s new connection would be probed (or measured), which the session's connector does not allow:
+        said once, in ``stats.probing_off`` and the log, as the httpx transports say it of a transport they cannot
+        probe through. Nothing is said under the close strategy (nothing to probe) or ``probe=False``."""
+        if not plan.needs_connection_machine:
+            return
+        why, self._unprobed = self._unprobed, None
+        self.stats.probing_off = why
+        instead = (
+            "GuardPolicy(connection='auto'), the default, closes every connection on a Unix socket instead"
+            if self._guard.strategies.unix_socket
+            else "an aiohttp.TCPConnector (llama_guard.aiohttp.GuardConnector) has them probed"
+        )
+        self.process.warnings.warning(
+            f"llama_guard on an aiohttp session: {why}: new connections to {plan.origin} are not probed, so a "
+            "connection that llama-server before b11737 leaves unread is not caught (retries and stream handling "
+            f"still apply); {instead}"
+        )
 
     async def _pass_through(
         self, request: aiohttp.ClientRequest, handler: ClientHandler, origin: Origin

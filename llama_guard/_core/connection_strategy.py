@@ -136,8 +136,13 @@ class OriginConnections:
         connections (`OriginBook`)."""
         return False
 
-    def choice(self, mode: ConnectionMode, *, unix_socket: bool = False) -> ConnectionChoice:
-        """The strategy for a request in ``mode`` (the policy's ``connection``), through a Unix socket or not."""
+    def choice(
+        self, mode: ConnectionMode, *, unix_socket: bool = False, unmeasurable: str | None = None
+    ) -> ConnectionChoice:
+        """The strategy for a request in ``mode`` (the policy's ``connection``), through a Unix socket or not.
+        ``unmeasurable``: why the asking guard cannot time a new connection (it does not see them): where it would
+        measure, it closes every connection for good, saying why, rather than measure without end; a choice another
+        guard of the process measured stands."""
         if mode == "close":
             return FORCED_CLOSE
         if mode == "reuse":
@@ -150,6 +155,8 @@ class OriginConnections:
         if is_loopback_host(self.origin.host):
             self._choice = LOOPBACK
             return LOOPBACK
+        if unmeasurable is not None:  # this guard's own choice: not kept as the origin's
+            return ConnectionChoice("close", f"the cost of a new connection cannot be measured: {unmeasurable}")
         return self._measuring()
 
     def _measuring(self) -> ConnectionChoice:
@@ -257,7 +264,7 @@ class Strategies:
     """One transport's (or session's) connection strategies: the final choice of each origin, kept per
     (scheme, host, port) as its HTTP library spells them, so the usual request pays one dict lookup."""
 
-    __slots__ = ("_book", "_chosen", "_mode", "stats", "unix_socket")
+    __slots__ = ("_book", "_chosen", "_mode", "stats", "unix_socket", "unmeasurable")
 
     def __init__(
         self, mode: ConnectionMode, stats: GuardStats, book: ConnectionBook, *, unix_socket: bool = False
@@ -268,6 +275,9 @@ class Strategies:
         self._book = book
         self.stats = stats  # where choices are recorded: the owner's, replaced with it
         self.unix_socket = unix_socket
+        # Why the owner cannot time its new connections (its pool or connector is out of reach), set before its
+        # first request: ``"auto"`` then closes every connection rather than measure without end.
+        self.unmeasurable: str | None = None
         self._chosen: dict[tuple[str, str, int | None], ConnectionChoice] = {}
 
     def choice(
@@ -287,7 +297,9 @@ class Strategies:
             if choice is not None:
                 return choice
         origin = origin if origin is not None else Origin.of(scheme, host, port)
-        choice = self._book.of(origin, account).choice(mode, unix_socket=self.unix_socket)
+        choice = self._book.of(origin, account).choice(
+            mode, unix_socket=self.unix_socket, unmeasurable=self.unmeasurable
+        )
         self._book.announce(origin, choice, self.stats)
         if choice.final and mode == self._mode and len(self._chosen) < REMEMBERED_BY_URL:
             self._chosen[key] = choice

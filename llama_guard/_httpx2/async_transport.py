@@ -243,15 +243,21 @@ class AsyncGuardTransport(GuardAttributes, httpx.AsyncBaseTransport):
     def _learn_trace_support(self, plan: RequestPlan, saw_events: bool) -> None:
         """After an answer on the trace path: a wrapped transport that reported no trace event does not send
         through httpcore, so the guard cannot probe its new connections. Said once per transport, in the log and in
-        ``stats.probing_off``; a later answer with trace events (a cache hit came first, say) takes it back."""
+        ``stats.probing_off``; a later answer with trace events (a cache hit came first, say) takes it back. Nor
+        can it time them: ``"auto"``, measuring, closes every connection from then on (a final choice)."""
         if saw_events:
             self._reports_trace_events = True
             self.stats.probing_off = None
             return
+        name = type(self._transport).__name__
+        if not plan.connection.final:
+            self._guard.strategies.unmeasurable = (
+                f"{name} does not send through httpcore (it reports no trace events), so the guard cannot time its "
+                "new connections"
+            )
         if self._reports_trace_events is False or not plan.policy.probe or plan.connection.strategy == "close":
             return
         self._reports_trace_events = False
-        name = type(self._transport).__name__
         self.stats.probing_off = (
             f"{name} does not send through httpcore (it reports no trace events), so the guard cannot probe its new "
             "connections"
