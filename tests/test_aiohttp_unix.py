@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import pytest
@@ -62,6 +62,22 @@ async def send(session: aiohttp.ClientSession, count: int = REQUESTS) -> list[in
             await response.read()
             statuses.append(response.status)
     return statuses
+
+
+def one_session(
+    make_connector: Callable[[], aiohttp.BaseConnector], policy: GuardPolicy | None = None
+) -> tuple[list[int], GuardStats]:
+    """`send` through one `guarded_session` on the connector ``make_connector`` makes (in the event loop, as aiohttp
+    wants): the statuses and the session's guard's stats."""
+
+    async def main() -> tuple[list[int], GuardStats]:
+        async with guard_aiohttp.guarded_session(ORIGIN, policy=policy, connector=make_connector()) as session:
+            statuses = await send(session)
+            guard = guard_aiohttp.guard_of(session)
+            assert guard is not None
+            return statuses, guard.stats
+
+    return run(main())
 
 
 class FixedAddressConnector(aiohttp.BaseConnector):
@@ -206,17 +222,10 @@ def test_no_probing_off_on_a_unix_connector_when_the_policy_does_not_probe(
 ) -> None:
     """connection="reuse" with probe=False: nothing would be probed, so nothing is off and nothing is said."""
 
-    async def main() -> tuple[list[int], GuardStats]:
-        policy = GuardPolicy(connection="reuse", probe=False)
-        connector = aiohttp.UnixConnector(path=relay.address)
-        async with guard_aiohttp.guarded_session(ORIGIN, policy=policy, connector=connector) as session:
-            statuses = await send(session)
-            guard = guard_aiohttp.guard_of(session)
-            assert guard is not None
-            return statuses, guard.stats
-
     with caplog.at_level(logging.WARNING, logger="llama_guard"):
-        statuses, stats = run(main())
+        statuses, stats = one_session(
+            lambda: aiohttp.UnixConnector(path=relay.address), GuardPolicy(connection="reuse", probe=False)
+        )
     assert statuses == [200] * REQUESTS
     snapshot = stats.snapshot()
     assert (snapshot.probing_off, snapshot.public_path) == (None, None)
@@ -232,16 +241,8 @@ def test_a_connector_of_the_callers_own_closes_saying_it_cannot_measure(
     connections, so it closes every connection (as while measuring) as its final choice, saying why, rather than
     "measuring (each probed)" forever. Nothing probes under close: probing_off and public_path stay None."""
 
-    async def main() -> tuple[list[int], GuardStats]:
-        connector = FixedAddressConnector(("127.0.0.1", racy_server.port))
-        async with guard_aiohttp.guarded_session(ORIGIN, connector=connector) as session:
-            statuses = await send(session)
-            guard = guard_aiohttp.guard_of(session)
-            assert guard is not None
-            return statuses, guard.stats
-
     with caplog.at_level(logging.WARNING, logger="llama_guard"):
-        statuses, stats = run(main())
+        statuses, stats = one_session(lambda: FixedAddressConnector(("127.0.0.1", racy_server.port)))
     assert statuses == [200] * REQUESTS
     snapshot = stats.snapshot()
     assert snapshot.connection_strategies == {
@@ -261,17 +262,10 @@ def test_reuse_on_a_connector_of_the_callers_own_says_probing_is_off(
     """connection="reuse" on a BaseConnector subclass: unprobed, said in stats.probing_off (naming the class) and
     one warning that points to a TCPConnector; public_path stays None."""
 
-    async def main() -> tuple[list[int], GuardStats]:
-        connector = FixedAddressConnector(("127.0.0.1", racy_server.port))
-        policy = GuardPolicy(connection="reuse")
-        async with guard_aiohttp.guarded_session(ORIGIN, policy=policy, connector=connector) as session:
-            statuses = await send(session)
-            guard = guard_aiohttp.guard_of(session)
-            assert guard is not None
-            return statuses, guard.stats
-
     with caplog.at_level(logging.WARNING, logger="llama_guard"):
-        statuses, stats = run(main())
+        statuses, stats = one_session(
+            lambda: FixedAddressConnector(("127.0.0.1", racy_server.port)), GuardPolicy(connection="reuse")
+        )
     assert statuses == [200] * REQUESTS
     snapshot = stats.snapshot()
     assert snapshot.probing_off == (
@@ -294,16 +288,8 @@ def test_an_untested_aiohttp_closes_saying_it_cannot_measure(
     rather than "measuring" forever. probing_off stays None: public_path says it already."""
     monkeypatch.setattr(aiohttp, "__version__", "3.99.0")
 
-    async def main() -> tuple[list[int], GuardStats]:
-        connector = guard_aiohttp.GuardConnector(resolver=ToLoopback(racy_server.port))
-        async with guard_aiohttp.guarded_session(ORIGIN, connector=connector) as session:
-            statuses = await send(session)
-            guard = guard_aiohttp.guard_of(session)
-            assert guard is not None
-            return statuses, guard.stats
-
     with caplog.at_level(logging.WARNING, logger="llama_guard"):
-        statuses, stats = run(main())
+        statuses, stats = one_session(lambda: guard_aiohttp.GuardConnector(resolver=ToLoopback(racy_server.port)))
     assert statuses == [200] * REQUESTS
     snapshot = stats.snapshot()
     assert snapshot.connection_strategies == {
