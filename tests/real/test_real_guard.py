@@ -24,6 +24,7 @@ Numbers measured on this build (2 cores, shared with other work):
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -565,6 +566,49 @@ def test_slow_healthy_requests_are_neither_cut_nor_repeated(real_server):
 CYCLES = 300
 CONTROL_CYCLES = 20
 CYCLE_TOKENS = 2
+
+
+@pytest.mark.slow
+def test_a_first_byte_deadline_behind_a_busy_slot_is_a_slow_answer_not_a_stall(real_server, caplog):
+    """``--parallel 1`` and one long completion running: a request on a new connection whose probe the server
+    answered waits silently for the slot, past a short ``first_byte_timeout``. The server reads that connection
+    (an HTTP thread answered the probe): the retry is a slow answer, never counted or logged as a stalled
+    connection replaced, which it was (with "no request was lost" in the log, whatever became of the request)."""
+    server = real_server(parallel=1, metrics=True)
+    # Probes never expire here, even on a loaded machine: a probe past its deadline would be a stall of its own.
+    policy = llama_guard.GuardPolicy(
+        connection="reuse",
+        first_byte_timeout=0.3,
+        max_attempts=2,
+        backoff=0.05,
+        probe_timeout=4.0,
+        probe_learning=False,
+    )
+    transport = llama_guard.GuardTransport(policy=policy)
+    with (
+        httpx.Client(base_url=server.url, timeout=SLOW_TIMEOUT) as busy_client,
+        httpx.Client(transport=transport, base_url=server.url, timeout=SLOW_TIMEOUT) as client,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        busy = pool.submit(busy_client.post, CHAT, json=completion(stream=False, max_tokens=SLOW_TOKENS, tag="busy"))
+        wait_until_processing(server)
+        with caplog.at_level(logging.DEBUG, logger="llama_guard"):
+            try:
+                answered = client.post(CHAT, json=completion(stream=False, max_tokens=8, tag="behind"))
+            except httpx.TimeoutException as exc:  # the slot was still busy at the second deadline too
+                outcome = type(exc).__name__
+            else:
+                outcome = f"HTTP {answered.status_code}"
+            transport.close()  # ends any stall episode now: its line would be said here
+        assert busy.result().status_code == 200
+    snapshot = transport.stats.snapshot()
+    print(f"behind a busy slot: {outcome}; retries {snapshot.retries_by_reason}")
+    assert snapshot.probes_sent >= 1
+    assert snapshot.probes_failed == 0
+    assert snapshot.retries_by_reason == {"slow_answer": 1}
+    assert snapshot.stall_reconnects == 0
+    said = [record.getMessage() for record in caplog.records]
+    assert not [text for text in said if "stalled connection" in text], said
 
 
 def stream_then_request(client: httpx.Client) -> tuple[httpx.Response, httpx.Response]:
