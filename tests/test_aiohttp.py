@@ -528,3 +528,25 @@ def test_a_connection_closed_while_the_request_is_written_is_a_server_disconnect
         causes.append(type(cause))
         cause = cause.__cause__
     assert AttributeError in causes, causes  # aiohttp's own report stays in the chain
+
+
+def test_a_middleware_put_in_by_hand_probes_its_session_s_connections(racy_server: LlamaServerEmulator) -> None:
+    """``ClientSession(middlewares=[GuardMiddleware(...)])``, a plain connector: the middleware adopts the session
+    at its first request, as guard_session does. It probed nothing and said nothing (keep-alive unprotected from
+    defect 2, with stats that looked like a guarded session's)."""
+
+    async def run() -> tuple[GuardStats, int]:
+        middleware = guard_aiohttp.GuardMiddleware(policy=GuardPolicy(connection="reuse"))
+        async with aiohttp.ClientSession(racy_server.url, middlewares=[middleware]) as session:
+            for index in range(6):
+                async with session.post(CHAT, json=chat(stream=index % 2 == 1)) as response:
+                    await response.read()
+                    assert response.status == 200
+            assert guard_aiohttp.guard_of(session) is middleware
+            return middleware.stats, racy_server.stats().connections_accepted
+
+    stats, connections = asyncio.run(asyncio.wait_for(run(), 30))
+    snapshot = stats.snapshot()
+    assert snapshot.probes_sent == connections >= 2  # every connection probed (each stream's is dropped)
+    assert (snapshot.probing_off, snapshot.public_path) == (None, None)
+    assert racy_server.stats().requests_dropped_after_stream == 0

@@ -29,6 +29,7 @@ __all__ = [
     "fail_body_on_connection_loss",
     "hook_new_connections",
     "session_middlewares",
+    "session_of",
     "sessions_out_of_reach",
     "set_session_middlewares",
     "unhook_new_connections",
@@ -268,6 +269,12 @@ def disable_connection_retry(session: aiohttp.ClientSession) -> bool:
         return False
     session._retry_connection = False
     return True
+
+
+def session_of(request: aiohttp.ClientRequest) -> aiohttp.ClientSession | None:
+    """The session that sends ``request`` (None on an aiohttp version where the request does not say)."""
+    session: aiohttp.ClientSession | None = getattr(request, "_session", None)
+    return session
 
 
 def session_middlewares(session: aiohttp.ClientSession) -> Sequence[Any]:

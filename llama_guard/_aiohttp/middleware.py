@@ -8,6 +8,7 @@ request's machine with aiohttp's I/O (`AiohttpAttempts`). New connections are th
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import aiohttp
@@ -26,7 +27,8 @@ from .._core.stats import GuardStats
 from .._drive.async_drive import drive_request
 from .._runtime import PROCESS
 from .attempts import RESULTS, AiohttpAttempts, RequestView, drop_stream, request_body
-from .internals import fail_body_on_connection_loss
+from .adoption import adopt, guard_of
+from .internals import fail_body_on_connection_loss, session_of
 
 __all__ = ["GuardMiddleware", "guard_result", "request_options"]
 
@@ -67,6 +69,8 @@ class GuardMiddleware(GuardAttributes):
         # Why the session's connector cannot be probed (`connections_unseen`), until a request that would probe a new
         # connection says so (`_say_unprobed`); None otherwise.
         self._unprobed: str | None = None
+        # The session of the last request it served, weakly: a session it has not served yet is looked at once.
+        self._last_session: weakref.ref[aiohttp.ClientSession] | None = None
 
     def connections_unseen(self, why: str, *, unix_socket: bool, unprobed: str | None) -> None:
         """The session's new connections are out of the guard's reach (``why``, a clause: its connector is not an
@@ -82,6 +86,9 @@ class GuardMiddleware(GuardAttributes):
         self._unprobed = unprobed
 
     async def __call__(self, request: aiohttp.ClientRequest, handler: ClientHandler) -> aiohttp.ClientResponse:
+        session, last = session_of(request), self._last_session
+        if last is None or last() is not session:
+            self._serving(session)
         guard = self._guard
         url = request.url
         scheme, host, port = url.scheme, url.raw_host or "", url.port
@@ -128,6 +135,17 @@ class GuardMiddleware(GuardAttributes):
         if result.connection_closed:
             fail_body_on_connection_loss(response)
         return response
+
+    def _serving(self, session: aiohttp.ClientSession | None) -> None:
+        """A request of ``session``, which this guard has not served before: a session with no guard yet (the
+        middleware put in by hand, ``ClientSession(middlewares=[GuardMiddleware()])``) is adopted as
+        `guard_session` adopts one (its connector's new connections probed; what cannot be done said), where it
+        would otherwise probe nothing and say nothing."""
+        if session is None:
+            return
+        self._last_session = weakref.ref(session)
+        if guard_of(session) is None:
+            adopt(session, self, own_resend_off=self.origins.every_origin)
 
     def _say_unprobed(self, plan: RequestPlan) -> None:
         """``plan``'s new connection would be probed (or measured), which the session's connector does not allow:
