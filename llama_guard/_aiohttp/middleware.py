@@ -26,8 +26,8 @@ from .._core.result import GuardResult
 from .._core.stats import GuardStats
 from .._drive.async_drive import drive_request
 from .._runtime import PROCESS
-from .attempts import RESULTS, AiohttpAttempts, RequestView, drop_stream, request_body
 from .adoption import adopt, guard_of
+from .attempts import RESULTS, AiohttpAttempts, RequestView, drop_stream, request_body
 from .internals import fail_body_on_connection_loss, session_of
 
 __all__ = ["GuardMiddleware", "guard_result", "request_options"]
