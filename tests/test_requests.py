@@ -30,7 +30,7 @@ from urllib3.util.retry import Retry
 
 import llama_guard
 import llama_guard.requests as guard_requests
-from llama_guard import GuardPolicy
+from llama_guard import GuardPolicy, Origin
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import ClientSockets
@@ -281,6 +281,8 @@ def test_the_probe_replaces_the_connections_a_burst_leaves_unread(stalling_serve
     assert 0 < seen.connections_stalled <= stalled
     # Exactly the stalled ones the server had not read by their probe's deadline, each replaced once.
     assert stats.probes_failed == seen.connections_stalled - seen.stalled_used_after_release
+    # Named as on every stack (they were all MaxRetryError, urllib3's wrapper of each attempt's failure).
+    assert stats.errors == {"ProbeTimeout": stats.probes_failed}
     assert seen.completions_started == clients  # nothing ran twice
 
 
@@ -852,6 +854,70 @@ def test_a_proxy_is_said_and_its_connections_not_probed(racy_server: LlamaServer
     assert stats.probes_sent == 0
     assert stats.probing_off is not None
     assert "proxy" in stats.probing_off
+
+
+def test_a_first_byte_timeout_is_named_as_on_every_stack() -> None:
+    """The headers never come on the first attempt: the deadline retries, and stats.errors and the history name the
+    failure FirstByteTimeout (they said MaxRetryError, urllib3's wrapper, or Urllib3FirstByteTimeout)."""
+    with LlamaServerEmulator() as server:
+        server.inject(Fault.HEADERS_NEVER, path=CHAT, hold=None)
+        session = guarded_session("adapter", server.url, GuardPolicy(first_byte_timeout=0.5))
+        try:
+            response = session.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+            stats = llama_guard.stats_of(session).snapshot()
+        finally:
+            close_session(session)
+    assert response.status_code == 200
+    result = guard_requests.result_of(response)
+    assert result is not None
+    assert result.attempts == 2
+    assert stats.errors == {"FirstByteTimeout": 1}
+    assert result.history[0].startswith("attempt 1: FirstByteTimeout on a new connection (written): "), result.history
+
+
+def test_an_error_keeps_urllib3_s_reason_readable() -> None:
+    """The guard's error and history say what urllib3 said ('Connection aborted.', the bad status line), as plain
+    requests does: every quoted value was '<redacted>', the reason included."""
+    with LlamaServerEmulator() as server:
+        server.inject(Fault.GARBAGE, path=CHAT, data=b"THIS IS NOT HTTP\r\n\r\n")
+        session = guarded_session("adapter", server.url, GuardPolicy(max_attempts=1))
+        try:
+            with pytest.raises(requests.ConnectionError) as raised:
+                session.post(server.url + CHAT, json=chat(False), timeout=TIMEOUT)
+        finally:
+            close_session(session)
+    text = str(raised.value)
+    assert "'Connection aborted.'" in text, text
+    assert "THIS IS NOT HTTP" in text, text
+    assert "<redacted>" not in text, text
+
+
+def test_through_a_forwarding_proxy_the_origin_is_the_server_not_the_proxy(racy_server: LlamaServerEmulator) -> None:
+    """A forwarding proxy's pool is the proxy's (urllib3 sends it absolute URLs): the guard took the proxy for the
+    origin. With origins=[the server] nothing was guarded (streams lost the next request, as plain requests
+    does), and another server behind the same proxy would have been guarded as llama-server."""
+    from ._connection_kinds import HttpProxy
+
+    policy = GuardPolicy(origins=[racy_server.url])
+    with HttpProxy() as proxy, LlamaServerEmulator(pool_bug=False) as other:
+        session = guarded_session("adapter", racy_server.url, policy)
+        session.proxies = {"http": proxy.url}
+        try:
+            outcomes = alternate(session.post, racy_server.url, 6)
+            elsewhere = session.get(other.url + "/health", timeout=TIMEOUT)
+            stats = llama_guard.stats_of(session).snapshot()
+        finally:
+            for manager in session.get_adapter(racy_server.url).proxy_manager.values():
+                for key in list(manager.pools.keys()):
+                    manager.pools[key].close()
+            close_session(session)
+    assert proxy.forwarded == 7  # every request went through the proxy
+    assert lost(outcomes) == []
+    assert (stats.requests, stats.passthrough) == (6, 1)
+    assert stats.stream_connections_closed == 3
+    assert guard_requests.result_of(elsewhere) is None  # not llama-server's: passed through as it was
+    assert list(stats.connection_strategies) == [str(Origin.of("http", "127.0.0.1", racy_server.port))]
+    assert racy_server.stats().requests_dropped_after_stream == 0
 
 
 def test_the_admission_wait_is_bounded_by_the_connect_timeout() -> None:

@@ -9,7 +9,8 @@
     from the ``llama_guard`` loggers carries any secret, in its message, its arguments, its exception text or any
     extra attribute; nor does the message or history of any `GuardError` raised or any `GuardResult` returned.
     httpx's own INFO line does log the full URL with its query: that is httpx's doing, not the guard's, and serves
-    here as the proof that the capture would see a leak. Sync, asyncio and trio; httpx and httpx2.
+    here as the proof that the capture would see a leak. Sync, asyncio and trio; httpx and httpx2; a requests
+    session and an aiohttp session (each stack words its errors its own way).
 (b) The emulator listens on 127.0.0.1 only by default, as a class and as ``python -m llama_guard.testing``.
 (c) Sockets. An audit hook (``sys.addaudithook``, inert outside these tests: it acts only in a context where a
     context variable is set) sees every socket created and connected by the client's code. Their number equals the
@@ -62,6 +63,8 @@ _BASIC = base64.b64encode(f"alice:{SECRETS['password']}".encode()).decode()
 NEEDLES = [*SECRETS.values(), _BASIC]
 
 FLAVORS = ["httpx-sync", "httpx-asyncio", "httpx-trio"] + (["httpx2-sync", "httpx2-asyncio"] if httpx2 else [])
+#: The log scenario runs on the guard's other stacks too (the socket scenario counts httpcore's connections).
+LOG_FLAVORS = [*FLAVORS, "requests", "aiohttp-asyncio"]
 #: The log and socket scenarios: the emulator is on loopback, where the default closes every connection and probes
 #: none; they need what only keep-alive has (the probe and its log lines, kicks, the late-answer watch's sockets).
 REUSE = llama_guard.GuardPolicy(connection="reuse")
@@ -76,6 +79,11 @@ class Client:
     def __init__(self, flavor: str, base_url: str, policy: llama_guard.GuardPolicy | None = None) -> None:
         package, _, mode = flavor.partition("-")
         self.sync = mode == "sync"
+        self.other: OtherStack | None = None
+        if package in ("requests", "aiohttp"):
+            self.other = OtherStack(package, policy)
+            self.error_class = self.other.error_class
+            return
         module: Any = httpx if package == "httpx" else httpx2
         guard: Any = llama_guard if package == "httpx" else guard2
         self.error_class: type[BaseException] = module.HTTPError
@@ -85,6 +93,8 @@ class Client:
         self.client = client_class(transport=self.transport, base_url=base_url, timeout=10.0)
 
     async def send(self, method: str, url: str, **kwargs: Any) -> Any:
+        if self.other is not None:
+            return await self.other.send(method, url, **kwargs)
         if self.sync:
             with self.client.stream(method, url, **kwargs) as response:
                 response.read()
@@ -94,10 +104,71 @@ class Client:
             return response
 
     async def close(self) -> None:
-        if self.sync:
+        if self.other is not None:
+            await self.other.close()
+        elif self.sync:
             self.client.close()
         else:
             await self.client.aclose()
+
+
+class OtherStack:
+    """A guarded requests session or aiohttp session behind `Client`'s interface: the guard's options through
+    ``request_options``, its result as ``response.extensions["llama_guard"]``."""
+
+    def __init__(self, package: str, policy: llama_guard.GuardPolicy | None) -> None:
+        self.package = package
+        self.policy = policy
+        self.session: Any = None
+        if package == "requests":
+            import requests
+
+            from llama_guard.requests import GuardAdapter
+
+            self.error_class: type[BaseException] = requests.RequestException
+            self.session = requests.Session()
+            self.session.mount("http://", GuardAdapter(policy=policy))
+        else:
+            import aiohttp
+
+            self.error_class = aiohttp.ClientError
+
+    async def send(self, method: str, url: str, *, extensions: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        options = (extensions or {}).get("llama_guard") or {}
+        if self.package == "requests":
+            from llama_guard.requests import request_options, result_of
+
+            with request_options(**options):
+                response = self.session.request(method, url, stream=True, timeout=10.0, **kwargs)
+                try:
+                    response.content  # noqa: B018 (read whole)
+                finally:
+                    response.close()
+            return _Answered(result_of(response))
+        from llama_guard.aiohttp import guard_result, guarded_session
+        from llama_guard.aiohttp import request_options as aiohttp_options
+
+        if self.session is None:  # made in the event loop, as aiohttp wants
+            self.session = guarded_session(policy=self.policy)
+        with aiohttp_options(**options):
+            async with self.session.request(method, url, **kwargs) as answer:
+                await answer.read()
+        return _Answered(guard_result(answer))
+
+    async def close(self) -> None:
+        if self.package == "requests":
+            self.session.close()
+        elif self.session is not None:
+            await self.session.close()
+
+
+@dataclass
+class _Answered:
+    result: Any
+
+    @property
+    def extensions(self) -> dict[str, Any]:
+        return {"llama_guard": self.result}
 
 
 def run(flavor: str, scenario: Callable[..., Any], *args: Any) -> Any:
@@ -194,9 +265,11 @@ def _leaks(texts: list[str]) -> list[str]:
     return [needle for needle in NEEDLES if any(needle in text for text in texts)]
 
 
-# Seconds per flavour: the fast core runs an asyncio httpx2 client, the full suite every flavour.
+# Seconds per flavour: the fast core runs an asyncio httpx2 client and a requests session (whose errors the guard
+# words itself), the full suite every flavour.
 @pytest.mark.parametrize(
-    "flavor", [pytest.param(f, marks=() if f == "httpx2-asyncio" else pytest.mark.slow) for f in FLAVORS]
+    "flavor",
+    [pytest.param(f, marks=() if f in ("httpx2-asyncio", "requests") else pytest.mark.slow) for f in LOG_FLAVORS],
 )
 def test_no_log_record_or_error_carries_a_body_credential_or_api_key(
     flavor: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
@@ -219,7 +292,11 @@ def test_no_log_record_or_error_carries_a_body_credential_or_api_key(
     # Every log statement of llama_guard fired.
     for words in ("retrying POST", "giving up on POST", "probing disabled for this origin"):
         assert any(words in message for message in messages), f"no record says {words!r}"
-    for reason in ("RemoteProtocolError", "ProbeError", "ProbeTimeout", "HTTP 503", "HTTP 429", "FirstByteTimeout"):
+    # A written request the server dropped, as each stack names it.
+    dropped = {"requests": "ProtocolError", "aiohttp": "ServerDisconnectedError"}.get(
+        flavor.partition("-")[0], "RemoteProtocolError"
+    )
+    for reason in (dropped, "ProbeError", "ProbeTimeout", "HTTP 503", "HTTP 429", "FirstByteTimeout"):
         assert any(reason in message for message in messages if "retrying" in message), reason
     for record in ours:
         assert _leaks(_texts_of(record)) == [], record.getMessage()
@@ -234,9 +311,27 @@ def test_no_log_record_or_error_carries_a_body_credential_or_api_key(
     for result in seen.results:
         assert result is None or _leaks([repr(result), *result.history]) == [], result
 
-    # The capture does see secrets where a logger writes them: httpx's own INFO line has the URL with its query.
-    others = [r for r in caplog.records if r not in ours]
-    assert any(SECRETS["query key"] in r.getMessage() for r in others), "the capture saw no query string at all"
+    # The capture does see secrets where a logger writes them: httpx's own INFO line, urllib3's DEBUG line, have the
+    # URL with its query. (aiohttp logs no URL: the other flavours prove the capture.)
+    if not flavor.startswith("aiohttp"):
+        others = [r for r in caplog.records if r not in ours]
+        assert any(SECRETS["query key"] in r.getMessage() for r in others), "the capture saw no query string at all"
+
+
+def test_urls_in_error_messages_lose_their_query_and_user_info() -> None:
+    """The requests flavour keeps urllib3's reasons readable (a reset, a bad status line, the host), and takes out
+    what may be a credential wherever a message spells a URL or a path out."""
+    from llama_guard._core.log import without_url_secrets
+
+    key, password = SECRETS["query key"], SECRETS["password"]
+    assert without_url_secrets(f"Max retries exceeded with url: /v1/x?api_key={key} (Caused by X)") == (
+        "Max retries exceeded with url: /v1/x?<redacted> (Caused by X)"
+    )
+    assert without_url_secrets(f"url='http://alice:{password}@h:8080/v1?k={key}'") == (
+        "url='http://<redacted>@h:8080/v1?<redacted>'"
+    )
+    kept = "('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer')) at http://h:8080/v1"
+    assert without_url_secrets(kept) == kept
 
 
 def test_a_refused_header_value_does_not_end_up_in_the_guards_error() -> None:

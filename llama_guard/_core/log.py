@@ -20,6 +20,7 @@ __all__ = [
     "describe_request",
     "logger",
     "without_quoted_values",
+    "without_url_secrets",
 ]
 
 logger = logging.getLogger("llama_guard")
@@ -64,6 +65,17 @@ def describe_request(method: str, scheme: str, host: str, port: int | None, path
 
 
 _QUOTED = re.compile(r"b?'(?:[^'\\]|\\.)*'" + r'|b?"(?:[^"\\]|\\.)*"')
+
+
+# In an error message: a URL's user info, and the query string of a URL or of a path (``url: /v1/x?key=...``).
+_USER_INFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)[^\s/'\"@]*@")
+_QUERY = re.compile(r"(?P<url>(?:\b[a-zA-Z][a-zA-Z0-9+.-]*://|(?<![\w/.])/)[^\s?'\"]*)\?[^\s'\")]*")
+
+
+def without_url_secrets(text: str) -> str:
+    """``... url: http://user:pw@h:8080/v1/x?key=sk-1`` -> ``... url: http://<redacted>@h:8080/v1/x?<redacted>``:
+    where an error message spells a URL out, its user info and query string (API keys travel there)."""
+    return _QUERY.sub(r"\g<url>?<redacted>", _USER_INFO.sub(r"\g<scheme><redacted>@", text))
 
 
 def without_quoted_values(text: str) -> str:

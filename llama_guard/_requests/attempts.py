@@ -13,6 +13,7 @@ import io
 import socket
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from urllib3.response import BaseHTTPResponse, HTTPResponse
 from urllib3.util.timeout import Timeout
@@ -24,10 +25,19 @@ from .._core.guard import RequestPlan
 from .._core.llama_server import RETRIED_STATUSES
 from .._core.request_machine import ERROR_BODY_READ, MAX_SOCKET_WAIT, Answered, Fail, Failed, RequestSignal, Send
 from .._core.result import GuardResult
-from .exceptions import Urllib3FirstByteTimeout, error_text, failure_kind, guarded_urllib3_error
+from .exceptions import Urllib3FirstByteTimeout, error_name, error_text, failure_kind, guarded_urllib3_error
 from .internals import pool_timeout
 
-__all__ = ["RESULT_ATTRIBUTE", "CallView", "Url", "Urllib3Attempts", "drop_stream", "is_streaming", "with_close"]
+__all__ = [
+    "RESULT_ATTRIBUTE",
+    "CallView",
+    "Url",
+    "Urllib3Attempts",
+    "drop_stream",
+    "is_streaming",
+    "target_url",
+    "with_close",
+]
 
 # The attribute a guarded response carries its `GuardResult` in.
 RESULT_ATTRIBUTE = "_llama_guard_result"
@@ -48,6 +58,17 @@ class Url:
         return (host if self.port is None else f"{host}:{self.port}").encode("ascii", "replace")
 
 
+def target_url(pool: Any, url: object) -> Url:
+    """What a ``urlopen`` call on ``pool`` asks for: ``url`` is a path on the pool's origin or, on a pool of a
+    forwarding proxy (urllib3's ``ProxyManager``, an http:// target), the absolute URL the proxy is to fetch: the
+    pool's host is then the proxy's, not the server's."""
+    text = str(url)
+    if text[:1] != "/" and "://" in text:
+        parts = urlsplit(text)
+        return Url(parts.scheme.lower(), parts.hostname or "", parts.port, parts.path or "/")
+    return Url(pool.scheme, pool.host, pool.port, text.partition("?")[0])
+
+
 class CallView:
     """What the core reads of one guarded ``urlopen`` call (``method``, ``url``, ``headers``, ``extensions``, worked
     out when asked), and the call every attempt makes: the caller's, with urllib3's own retries taken out (see
@@ -64,8 +85,7 @@ class CallView:
 
     @property
     def url(self) -> Url:
-        pool = self.pool
-        return Url(pool.scheme, pool.host, pool.port, str(self.call["url"]).partition("?")[0])
+        return target_url(self.pool, self.call["url"])
 
     @property
     def headers(self) -> Any:
@@ -163,7 +183,7 @@ class Urllib3Attempts:
             timeout.__cause__ = exc
             exc = timeout
         self._error = exc
-        return Failed(kind, type(exc).__name__, error_text(exc))
+        return Failed(kind, error_name(exc), error_text(exc))
 
     def answered(self, response: BaseHTTPResponse) -> Answered:
         self._response = response

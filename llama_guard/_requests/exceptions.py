@@ -32,7 +32,7 @@ import urllib3.exceptions as u3
 
 from .._core.decisions import FailureKind
 from .._core.errors import GuardedClasses, GuardError
-from .._core.log import without_quoted_values
+from .._core.log import without_quoted_values, without_url_secrets
 
 __all__ = [
     "FirstByteTimeout",
@@ -41,6 +41,7 @@ __all__ = [
     "Urllib3FirstByteTimeout",
     "Urllib3ProbeError",
     "Urllib3ProbeTimeout",
+    "error_name",
     "error_text",
     "failure_kind",
     "guarded_requests_error",
@@ -113,11 +114,31 @@ def failure_kind(exc: BaseException, *, deadline_applied: bool) -> FailureKind |
     return None
 
 
+def error_name(exc: BaseException) -> str:
+    """What failed, by class, for ``stats.errors`` and the history: a ``MaxRetryError``'s reason (urllib3 wraps each
+    attempt's failure in one), the guard's own errors named as on every stack (``ProbeTimeout``...)."""
+    reason = type(reason_of(exc))
+    return _PUBLIC_NAMES.get(reason, reason.__name__)
+
+
 def error_text(exc: BaseException) -> str:
     """An error's message for the guard's history and errors: what failed (a MaxRetryError's reason, without the
-    URL and query it repeats), quoted values redacted."""
-    return without_quoted_values(str(reason_of(exc)))
+    URL it repeats), any URL's query string and user info redacted; and quoted values, where they may be what the
+    caller was to send (a proxy's settings, a malformed URL). urllib3's reasons (a reset, a bad status line) stay
+    readable."""
+    reason = reason_of(exc)
+    text = without_url_secrets(str(reason))
+    if isinstance(reason, (u3.ProxyError, u3.LocationValueError, u3.ProxySchemeUnknown)):
+        return without_quoted_values(text)
+    return text
 
+
+# The guard's own urllib3 errors, by the names the other stacks' errors have (docs/configuration.md, "errors").
+_PUBLIC_NAMES: dict[type[BaseException], str] = {
+    Urllib3ProbeTimeout: "ProbeTimeout",
+    Urllib3ProbeError: "ProbeError",
+    Urllib3FirstByteTimeout: "FirstByteTimeout",
+}
 
 # Guarded<X> for each urllib3 and requests error class X (a module attribute each).
 _GUARDED: GuardedClasses[BaseException] = GuardedClasses(globals())

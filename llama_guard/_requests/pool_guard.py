@@ -42,6 +42,7 @@ from .attempts import (
     drop_stream,
     is_streaming,
     respond,
+    target_url,
     with_close,
 )
 from .connections import guarded_connection_class, original_connection_class
@@ -174,7 +175,11 @@ class PoolGuard(Guard):
             # urllib3's own redirect inside a guarded attempt: part of it
             return original(*args, **kwargs)  # type: ignore[no-any-return]
         hook = getattr(pool, _HOOK_ATTRIBUTE, None)
-        origin = hook.origin if isinstance(hook, _PoolHook) else Origin.of(pool.scheme, pool.host, pool.port)
+        if pool.proxy is not None:  # a forwarding proxy's pool: the server is the absolute URL's, not the pool's
+            target = target_url(pool, args[1] if len(args) > 1 else kwargs.get("url", "/"))
+            origin = Origin.of(target.scheme, target.host, target.port)
+        else:
+            origin = hook.origin if isinstance(hook, _PoolHook) else Origin.of(pool.scheme, pool.host, pool.port)
         if not self.origins.is_llama(origin):
             return self._pass_through(pool, original, origin, args, kwargs)
         if not isinstance(hook, _PoolHook) or hook.guard is not self:
@@ -192,9 +197,9 @@ class PoolGuard(Guard):
         view = CallView(pool, call, str(call["method"]).upper())
         plan = self.plan(
             view,
-            scheme=pool.scheme,
-            host=pool.host,
-            port=pool.port,
+            scheme=origin.scheme,
+            host=origin.host,
+            port=origin.port,
             origin=origin,
             overrides=current_options(),
             body=body,
