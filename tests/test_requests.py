@@ -13,6 +13,7 @@ import concurrent.futures
 import ctypes
 import functools
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -31,6 +32,7 @@ from urllib3.util.retry import Retry
 import llama_guard
 import llama_guard.requests as guard_requests
 from llama_guard import GuardPolicy, Origin
+from llama_guard._requests.adapter import _adapter_guard
 from llama_guard.testing import Fault, LlamaServerEmulator
 
 from ._drivers import ClientSockets
@@ -873,6 +875,30 @@ def test_a_first_byte_timeout_is_named_as_on_every_stack() -> None:
     assert result.attempts == 2
     assert stats.errors == {"FirstByteTimeout": 1}
     assert result.history[0].startswith("attempt 1: FirstByteTimeout on a new connection (written): "), result.history
+
+
+@pytest.mark.parametrize("how", ["guard", "adapter"])
+def test_a_pickled_guarded_session_is_guarded(how: str, racy_server: LlamaServerEmulator) -> None:
+    """A session guarded by guard(session) (its own HTTPAdapters) or a mounted GuardAdapter, pickled (sent to
+    another process) and loaded: still guarded, with the same policy and one set of counters for its adapters. A
+    guard(session) copy was a plain session, silently (its streams lost the next request)."""
+    policy = GuardPolicy(stream_mode="drop", max_attempts=3)
+    original = guarded_session(how, racy_server.url, policy)
+    copy = pickle.loads(pickle.dumps(original))
+    close_session(original)
+    try:
+        outcomes = alternate(copy.post, racy_server.url, 6)
+        stats = llama_guard.stats_of(copy).snapshot()  # one set of counters: else a ValueError
+        guards = {id(_adapter_guard(adapter)) for adapter in copy.adapters.values()}
+        kept = {_adapter_guard(adapter).policy for adapter in copy.adapters.values()}  # type: ignore[union-attr]
+    finally:
+        close_session(copy)
+    assert lost(outcomes) == []
+    assert stats.requests == 6
+    assert stats.stream_connections_closed == 3
+    assert len(guards) == 1
+    assert kept == {policy}
+    assert racy_server.stats().requests_dropped_after_stream == 0
 
 
 def test_an_error_keeps_urllib3_s_reason_readable() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Any
 
 import requests
@@ -186,9 +187,59 @@ def _attach(adapter: requests.adapters.HTTPAdapter, guard: PoolGuard) -> None:
         cls = type(adapter)
         adapter.proxy_manager_for = functools.partial(_proxy_manager_for, adapter, cls.proxy_manager_for)  # type: ignore[method-assign]
         adapter.send = functools.partial(_send, adapter, cls.send)  # type: ignore[method-assign]
+        # Pickled (a session sent to another process, deep-copied), it stays guarded: HTTPAdapter pickles its
+        # settings only, and its copy would be a plain adapter, silently.
+        adapter.__reduce_ex__ = functools.partial(_reduce_guarded, adapter)  # type: ignore[method-assign]
     hook_manager(adapter.poolmanager, guard)
     for manager in adapter.proxy_manager.values():
         hook_manager(manager, guard)
+
+
+class _PickledGuard:
+    """A guard as the adapters it guards pickle it: its policy. Unpickled once per pickle (pickle's memo), so the
+    adapters of one session share one new guard again (new counters: a guard's state does not pickle)."""
+
+    def __init__(self, policy: GuardPolicy) -> None:
+        self.policy = policy
+        self._guard: PoolGuard | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"policy": self.policy}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.policy = state["policy"]
+        self._guard = None
+
+    def guard(self) -> PoolGuard:
+        if self._guard is None:
+            self._guard = _new_guard(self.policy, None, None)
+        return self._guard
+
+
+# One `_PickledGuard` per guard, so that its adapters pickle it as one object.
+_PICKLED: weakref.WeakKeyDictionary[PoolGuard, _PickledGuard] = weakref.WeakKeyDictionary()
+
+
+def _reduce_guarded(adapter: requests.adapters.HTTPAdapter, protocol: int) -> tuple[Any, ...]:
+    guard = _adapter_guard(adapter)
+    if guard is None:  # taken off since: pickled as the plain adapter it is
+        return (_plain_adapter, (type(adapter), adapter.__getstate__()))
+    pickled = _PICKLED.get(guard)
+    if pickled is None:
+        pickled = _PICKLED[guard] = _PickledGuard(guard.policy)
+    return (_guarded_adapter, (type(adapter), adapter.__getstate__(), pickled))
+
+
+def _plain_adapter(cls: type[requests.adapters.HTTPAdapter], state: dict[str, Any]) -> Any:
+    adapter = cls.__new__(cls)
+    adapter.__setstate__(state)
+    return adapter
+
+
+def _guarded_adapter(cls: type[requests.adapters.HTTPAdapter], state: dict[str, Any], pickled: _PickledGuard) -> Any:
+    adapter = _plain_adapter(cls, state)
+    _attach(adapter, pickled.guard())
+    return adapter
 
 
 def _proxy_manager_for(adapter: Any, original: Any, proxy: str, **kwargs: Any) -> Any:
