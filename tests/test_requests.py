@@ -69,12 +69,12 @@ def uninstalled_afterwards() -> Iterator[None]:
 
 
 def close_session(session: Any) -> None:
-    """Close a session and its pools' idle connections (urllib3 2.8's PoolManager.clear() leaves them to the
-    garbage collector)."""
+    """Close a session and its pools' idle connections, its proxies' included (urllib3 2.8's PoolManager.clear()
+    leaves them to the garbage collector)."""
     for adapter in session.adapters.values():
-        manager = adapter.poolmanager
-        for key in list(manager.pools.keys()):
-            manager.pools[key].close()
+        for manager in (adapter.poolmanager, *adapter.proxy_manager.values()):
+            for key in list(manager.pools.keys()):
+                manager.pools[key].close()
     session.close()
 
 
@@ -848,9 +848,6 @@ def test_a_proxy_is_said_and_its_connections_not_probed(racy_server: LlamaServer
             outcomes = alternate(session.post, racy_server.url, 6)
             stats = llama_guard.stats_of(session).snapshot()
         finally:
-            for manager in session.get_adapter(racy_server.url).proxy_manager.values():
-                for key in list(manager.pools.keys()):
-                    manager.pools[key].close()
             close_session(session)
     assert lost(outcomes) == []
     assert stats.probes_sent == 0
@@ -933,9 +930,6 @@ def test_through_a_forwarding_proxy_the_origin_is_the_server_not_the_proxy(racy_
             elsewhere = session.get(other.url + "/health", timeout=TIMEOUT)
             stats = llama_guard.stats_of(session).snapshot()
         finally:
-            for manager in session.get_adapter(racy_server.url).proxy_manager.values():
-                for key in list(manager.pools.keys()):
-                    manager.pools[key].close()
             close_session(session)
     assert proxy.forwarded == 7  # every request went through the proxy
     assert lost(outcomes) == []
