@@ -319,37 +319,31 @@ def test_reset_mid_stream_is_not_retried(flavor: str) -> None:
     assert ran == 1
 
 
-def test_headers_that_never_come_are_retried_under_a_deadline(flavor: str) -> None:
-    """A first-byte deadline abandons a connection whose answer never comes and retries on a fresh one."""
-    policy = GuardPolicy(first_byte_timeout=0.5)
-    with LlamaServerEmulator() as server:
-        server.inject(Fault.HEADERS_NEVER, path=CHAT, hold=None)
-        driver = run_scenario(flavor, one_request, flavor, server.url, True, policy, "POST", CHAT, chat(False))
-    (outcome,) = driver.outcomes  # type: ignore[attr-defined]
-    assert outcome.ok
-    assert outcome.result.attempts == 2
-    assert outcome.result.reconnects == 1
-    assert driver.stats.stall_reconnects == 1  # type: ignore[attr-defined]
-
-
-def test_a_deadline_on_a_connection_the_server_reads_is_no_stall(flavor: str, caplog: pytest.LogCaptureFixture) -> None:
-    """Under the keep-alive strategy the new connection's probe is answered: a thread serves it, so headers that do
-    not come are a busy or slow server, not the pool's stall. Retried as any failure: not counted or logged as a
-    stalled connection replaced (it was, with "no request was lost" in the log even when the request then failed)."""
-    policy = GuardPolicy(first_byte_timeout=0.5, connection="reuse")
+@pytest.mark.parametrize(("connection", "reason"), [("auto", "stalled_connection"), ("reuse", "slow_answer")])
+def test_headers_that_never_come_are_retried_under_a_deadline(
+    flavor: str, connection: str, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A first-byte deadline abandons a connection whose answer never comes and retries on a fresh one. On
+    loopback ("auto": close, no probe) nothing proved the server reads the connection: a stalled connection,
+    replaced. Under keep-alive its probe was answered, so a thread serves it: a busy or slow server, retried as any
+    failure, not counted or logged as a stalled connection (it was, with "no request was lost" in the log even
+    when the request then failed)."""
+    policy = GuardPolicy(first_byte_timeout=0.5, connection=connection)  # type: ignore[arg-type]
     with LlamaServerEmulator() as server, caplog.at_level(logging.DEBUG, logger="llama_guard"):
         server.inject(Fault.HEADERS_NEVER, path=CHAT, hold=None)
         driver = run_scenario(flavor, one_request, flavor, server.url, True, policy, "POST", CHAT, chat(False))
     (outcome,) = driver.outcomes  # type: ignore[attr-defined]
+    stats = driver.stats  # type: ignore[attr-defined]
+    stalled = reason == "stalled_connection"
     assert outcome.ok
     assert outcome.result.attempts == 2
-    assert outcome.result.reconnects == 0
-    assert (driver.stats.retries, driver.stats.stall_reconnects) == (1, 0)  # type: ignore[attr-defined]
-    assert driver.stats.retries_by_reason == {"slow_answer": 1}  # type: ignore[attr-defined]
-    assert driver.stats.probes_sent >= 1  # type: ignore[attr-defined]  # the probe that proved the connection read
-    said = [record.getMessage() for record in caplog.records]
-    assert not [text for text in said if "stalled connection" in text], said
-    assert [text for text in said if "(the server reads this connection: busy or slow)" in text], said
+    assert outcome.result.reconnects == stats.stall_reconnects == int(stalled)
+    assert stats.retries_by_reason == {reason: 1}
+    assert (stats.probes_sent >= 1) is not stalled  # the probe that proved the connection read
+    said = [record.getMessage() for record in caplog.records if "retrying" in record.getMessage()]
+    assert len(said) == 1, said
+    assert ("(stalled connection)" in said[0]) is stalled, said
+    assert ("(the server reads this connection: busy or slow)" in said[0]) is not stalled, said
 
 
 def test_headers_that_never_come_fail_plain_httpx_only_at_its_timeout(flavor: str) -> None:
