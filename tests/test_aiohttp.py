@@ -550,3 +550,34 @@ def test_a_middleware_put_in_by_hand_probes_its_session_s_connections(racy_serve
     assert snapshot.probes_sent == connections >= 2  # every connection probed (each stream's is dropped)
     assert (snapshot.probing_off, snapshot.public_path) == (None, None)
     assert racy_server.stats().requests_dropped_after_stream == 0
+
+
+def test_unguard_session_gives_the_session_back_as_it_was() -> None:
+    """aiohttp's own resend of an idempotent request saves a plain session's GET after a stream (stream_close
+    "on_reuse": every reuse after a stream is dropped); the guard turns it off, its own rules deciding. Taken off,
+    the guard put everything back but that: every GET after a stream was then lost."""
+
+    async def rounds(session: aiohttp.ClientSession, url: str) -> list[object]:
+        seen: list[object] = []
+        for _ in range(3):
+            async with session.post(url + CHAT, json=chat(stream=True)) as response:
+                await response.read()
+            try:
+                async with session.get(url + "/v1/models") as response:
+                    await response.read()
+                    seen.append(response.status)
+            except aiohttp.ClientError as exc:
+                seen.append(type(exc).__name__)
+        return seen
+
+    async def run(url: str) -> tuple[list[object], list[object], list[object]]:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=30)) as session:
+            plain = await rounds(session, url)
+            assert guard_aiohttp.guard_session(session) is not None
+            guarded = await rounds(session, url)
+            assert guard_aiohttp.unguard_session(session)
+            return plain, guarded, await rounds(session, url)
+
+    with LlamaServerEmulator(stream_close="on_reuse") as server:
+        plain, guarded, unguarded = asyncio.run(asyncio.wait_for(run(server.url), 30))
+    assert plain == guarded == unguarded == [200, 200, 200]

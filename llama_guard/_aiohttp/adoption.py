@@ -22,9 +22,11 @@ from .internals import (
 if TYPE_CHECKING:
     from .middleware import GuardMiddleware
 
-__all__ = ["GUARDS", "adopt", "guard_of"]
+__all__ = ["GUARDS", "RESEND", "adopt", "guard_of"]
 
 GUARDS: weakref.WeakKeyDictionary[aiohttp.ClientSession, GuardMiddleware] = weakref.WeakKeyDictionary()
+# aiohttp's own resend as each guarded session had it, put back when the guard is taken off (`unguard_session`).
+RESEND: weakref.WeakKeyDictionary[aiohttp.ClientSession, bool] = weakref.WeakKeyDictionary()
 
 
 def guard_of(session: aiohttp.ClientSession) -> GuardMiddleware | None:
@@ -63,7 +65,10 @@ def adopt(session: aiohttp.ClientSession, guard: GuardMiddleware, *, own_resend_
         )
     elif connector is not None and not isinstance(connector, GuardConnector):
         hook_new_connections(connector, ProbingHooks(), warnings)
-    if own_resend_off and not disable_connection_retry(session) and public is None:
+    had = disable_connection_retry(session) if own_resend_off else None
+    if had is not None:
+        RESEND[session] = had
+    elif own_resend_off and public is None:
         public = "aiohttp's own resend of idempotent requests stays on"
     if public is not None:
         guard.stats.public_path = public

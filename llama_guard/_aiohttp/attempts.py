@@ -20,7 +20,7 @@ from .._core.attempt_context import CURRENT_PLAN
 from .._core.decisions import FailureKind, is_streaming_response
 from .._core.errors import caller_error
 from .._core.guard import RequestPlan
-from .._core.log import without_quoted_values
+from .._core.log import without_url_secrets
 from .._core.request_machine import ERROR_BODY_READ, Answered, Fail, Failed, RequestSignal, Send
 from .._core.result import GuardResult
 from .exceptions import FirstByteTimeout, body_error, failure_kind, guarded_error, translate
@@ -170,7 +170,10 @@ class AiohttpAttempts:
 
 
 def error_text(error: BaseException) -> str:
-    return without_quoted_values(str(error))
+    """An error's message for the guard's history and errors: aiohttp's own words (a bad status line, the address
+    a connect failed to), with a URL's query string and user info taken out (a `ClientResponseError` names the
+    request's URL). Every quoted value was redacted, what made the message useful included."""
+    return without_url_secrets(str(error))
 
 
 def drop_stream(response: aiohttp.ClientResponse, stats: Any) -> bool:

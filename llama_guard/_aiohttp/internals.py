@@ -25,6 +25,7 @@ __all__ = [
     "TESTED_VERSIONS",
     "check_version",
     "disable_connection_retry",
+    "restore_connection_retry",
     "drop_after_response",
     "fail_body_on_connection_loss",
     "hook_new_connections",
@@ -262,13 +263,21 @@ def fail_body_on_connection_loss(response: aiohttp.ClientResponse) -> None:
     closed.add_done_callback(on_closed)
 
 
-def disable_connection_retry(session: aiohttp.ClientSession) -> bool:
+def disable_connection_retry(session: aiohttp.ClientSession) -> bool | None:
     """Turn off aiohttp's own resend of an idempotent request after a dead pooled connection: the guard's
-    middleware retries by its own rules (a resend outside it would repeat what the guard gave up on)."""
+    middleware retries by its own rules (a resend outside it would repeat what the guard gave up on). Returns the
+    setting it had (for `restore_connection_retry`), or None where the guard cannot reach it."""
     if untested_version() is not None:
-        return False
+        return None
+    had = bool(session._retry_connection)
     session._retry_connection = False
-    return True
+    return had
+
+
+def restore_connection_retry(session: aiohttp.ClientSession, had: bool) -> None:
+    """Put back the setting `disable_connection_retry` found (the guard taken off a session)."""
+    if untested_version() is None:
+        session._retry_connection = had
 
 
 def session_of(request: aiohttp.ClientRequest) -> aiohttp.ClientSession | None:

@@ -11,9 +11,15 @@ from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
 from .._runtime import PROCESS
-from .adoption import GUARDS, adopt, guard_of
+from .adoption import GUARDS, RESEND, adopt, guard_of
 from .connector import GuardConnector
-from .internals import check_version, session_middlewares, set_session_middlewares, unhook_new_connections
+from .internals import (
+    check_version,
+    restore_connection_retry,
+    session_middlewares,
+    set_session_middlewares,
+    unhook_new_connections,
+)
 from .middleware import GuardMiddleware
 
 __all__ = ["guard_of", "guard_session", "guarded_session", "unguard_session"]
@@ -71,4 +77,7 @@ def unguard_session(session: aiohttp.ClientSession) -> bool:
         set_session_middlewares(session, [m for m in session_middlewares(session) if m is not guard])
     if session.connector is not None and not isinstance(session.connector, GuardConnector):
         unhook_new_connections(session.connector)
+    had = RESEND.pop(session, None)
+    if had is not None:  # aiohttp's own resend, which the guard turned off: without it, streams lose requests
+        restore_connection_retry(session, had)
     return True

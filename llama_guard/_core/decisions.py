@@ -216,7 +216,14 @@ def verdict_for_failure(
                 "no response headers within first_byte_timeout (the server reads this connection: busy or slow)",
                 slow_answer=True,
             )
-        return Verdict(True, "no response headers within first_byte_timeout (stalled connection)", stall=True)
+        # Nothing proved the server reads it (no probe, under the close strategy): llama-server's stall, or a slow
+        # answer; treated as the stall (reconnects spread), worded as either.
+        return Verdict(
+            True,
+            "no response headers within first_byte_timeout (a stalled connection, or a slow answer: nothing proved "
+            "the server reads this connection)",
+            stall=True,
+        )
     if reused_connection:
         # The keep-alive race: the pool handed out a connection the server had already closed.
         return Verdict(True, "the pooled connection was dead", backoff=False)
