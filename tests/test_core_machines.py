@@ -240,19 +240,6 @@ def test_request_transitions(
     assert {name: getattr(machine, name) for name in counts} == counts
 
 
-@pytest.mark.parametrize(("after_the_wait", "retries"), [(request.SLEPT, 1), (request.CANCELLED, 0)])
-def test_a_retry_is_counted_when_it_goes_out(after_the_wait: Any, retries: int) -> None:
-    """Counted when the wait before it ends, not when it is decided: a caller's timeout or a cancellation during
-    the wait (a 503's Retry-After of seconds) left a retry counted that never went out (retries >= attempts)."""
-    machine = request_in(RS.WAITING)
-    stats = machine.plan.stats
-    assert stats.retries == 0  # decided, not gone out: nothing counted yet
-    machine.next(after_the_wait)
-    snapshot = stats.snapshot()
-    assert snapshot.retries == retries
-    assert snapshot.retries_by_reason == ({"connection_error": 1} if retries else {})
-
-
 @pytest.mark.parametrize(
     ("policy", "body", "asks", "dropped"),
     [

@@ -377,14 +377,6 @@ class RequestMachine:
             raise UnexpectedEvent(f"a request in state {self.state.value} cannot take {_name(key)}")
         return handler(self, event)
 
-    def _on_slept(self, event: RequestSignal) -> RequestAction:
-        # The retry goes out now: counted here, not when decided (a caller's timeout or a cancellation during the
-        # wait would leave a retry counted that never went out).
-        verdict = self.verdict
-        assert verdict is not None
-        self.plan.stats.record_retry(retry_reason(verdict), stall=verdict.stall)
-        return self._on_begin(event)
-
     def _on_begin(self, event: RequestSignal) -> RequestAction:
         self.state = RequestState.SENDING
         self.attempts += 1
@@ -525,6 +517,9 @@ class RequestMachine:
         if delay is None:
             return None
         assert verdict is not None
+        # Counted when decided, with its log line: a retry cancelled during its wait (the caller's timeout during a
+        # Retry-After) stays counted, as the log said it; a counter never goes down (Prometheus).
+        plan.stats.record_retry(retry_reason(verdict), stall=verdict.stall)
         if pacing.loading_since is not None:
             of = f"waiting for the server to load, {time.monotonic() - pacing.loading_since:.1f} s of max_loading_wait"
         else:
@@ -606,7 +601,7 @@ _TRANSITIONS: dict[tuple[RequestState, type | RequestSignal], _Handler] = {
     (_S.READING_ERROR, ERROR_BODY_READ): RequestMachine._on_error_body_read,
     (_S.READING_ERROR, Failed): RequestMachine._on_error_body_failed,
     (_S.READING_ERROR, CANCELLED): RequestMachine._on_cancelled,
-    (_S.WAITING, SLEPT): RequestMachine._on_slept,
+    (_S.WAITING, SLEPT): RequestMachine._on_begin,
     (_S.WAITING, CANCELLED): RequestMachine._on_cancelled,
     (_S.DELIVERING, Delivered): RequestMachine._on_delivered,
     (_S.DELIVERING, CANCELLED): RequestMachine._on_cancelled,
