@@ -11,15 +11,9 @@ from .._core.origins import OriginRegistry
 from .._core.policy import GuardPolicy
 from .._core.stats import GuardStats
 from .._runtime import PROCESS
-from .adoption import GUARDS, RESEND, adopt, guard_of
+from .adoption import adopt, guard_of, release
 from .connector import GuardConnector
-from .internals import (
-    check_version,
-    restore_connection_retry,
-    session_middlewares,
-    set_session_middlewares,
-    unhook_new_connections,
-)
+from .internals import check_version, session_middlewares, set_session_middlewares
 from .middleware import GuardMiddleware
 
 __all__ = ["guard_of", "guard_session", "guarded_session", "unguard_session"]
@@ -70,14 +64,9 @@ def guard_session(
 
 def unguard_session(session: aiohttp.ClientSession) -> bool:
     """Take the guard off a session guarded by `guard_session` or `guarded_session`; False if it had none."""
-    guard = GUARDS.pop(session, None)
+    guard = release(session)
     if guard is None:
         return False
     if check_version(PROCESS.warnings) is None:
         set_session_middlewares(session, [m for m in session_middlewares(session) if m is not guard])
-    if session.connector is not None and not isinstance(session.connector, GuardConnector):
-        unhook_new_connections(session.connector)
-    had = RESEND.pop(session, None)
-    if had is not None:  # aiohttp's own resend, which the guard turned off: without it, streams lose requests
-        restore_connection_retry(session, had)
     return True
