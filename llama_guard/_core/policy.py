@@ -79,7 +79,7 @@ def _normalise_origins(value: object) -> OriginsSetting:
     origins = []
     for item in value:
         try:
-            origins.append(parse_origin(str(item)) if isinstance(item, Origin) else parse_origin(item))
+            origins.append(parse_origin(str(item) if isinstance(item, Origin) else item))
         except ValueError as exc:
             # An Origin is checked as its URL, and spelt as the guard spells it (lower case, the default port).
             raise ValueError(f"origins: {f'{item!r} as ' if isinstance(item, Origin) else ''}{exc}") from None

@@ -249,19 +249,13 @@ class GuardTransport(GuardAttributes, httpx.BaseTransport):
             self._reports_trace_events = True
             self.stats.probing_off = None
             return
-        name = type(self._transport).__name__
+        unseen = f"{type(self._transport).__name__} does not send through httpcore (it reports no trace events)"
         if not plan.connection.final:
-            self._guard.strategies.unmeasurable = (
-                f"{name} does not send through httpcore (it reports no trace events), so the guard cannot time its "
-                "new connections"
-            )
+            self._guard.strategies.unmeasurable = f"{unseen}, so the guard cannot time its new connections"
         if self._reports_trace_events is False or not plan.policy.probe or plan.connection.strategy == "close":
             return
         self._reports_trace_events = False
-        self.stats.probing_off = (
-            f"{name} does not send through httpcore (it reports no trace events), so the guard cannot probe its new "
-            "connections"
-        )
+        self.stats.probing_off = f"{unseen}, so the guard cannot probe its new connections"
         logger.warning(  # once per transport: each transport's wrapped transport is its own
             f"{self.stats.probing_off}: new connections to {plan.origin} are not probed, so a connection that "
             "llama-server before b11737 leaves unread is not caught (retries and stream handling still apply). "

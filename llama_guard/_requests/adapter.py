@@ -222,22 +222,16 @@ _PICKLED: weakref.WeakKeyDictionary[PoolGuard, _PickledGuard] = weakref.WeakKeyD
 
 def _reduce_guarded(adapter: requests.adapters.HTTPAdapter, protocol: int) -> tuple[Any, ...]:
     guard = _adapter_guard(adapter)
-    if guard is None:  # taken off since: pickled as the plain adapter it is
-        return (_plain_adapter, (type(adapter), adapter.__getstate__()))
+    assert guard is not None  # `_attach` put it there, and nothing takes it off
     pickled = _PICKLED.get(guard)
     if pickled is None:
         pickled = _PICKLED[guard] = _PickledGuard(guard.policy)
     return (_guarded_adapter, (type(adapter), adapter.__getstate__(), pickled))
 
 
-def _plain_adapter(cls: type[requests.adapters.HTTPAdapter], state: dict[str, Any]) -> Any:
+def _guarded_adapter(cls: type[requests.adapters.HTTPAdapter], state: dict[str, Any], pickled: _PickledGuard) -> Any:
     adapter = cls.__new__(cls)
     adapter.__setstate__(state)
-    return adapter
-
-
-def _guarded_adapter(cls: type[requests.adapters.HTTPAdapter], state: dict[str, Any], pickled: _PickledGuard) -> Any:
-    adapter = _plain_adapter(cls, state)
     _attach(adapter, pickled.guard())
     return adapter
 
